@@ -1,0 +1,35 @@
+# Two commands do all set-up: `make demo` and `make test`. Each builds .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch served here; override, e.g. `make test TORCH_SPEC="torch>=2.6"`.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.memkit-installed
+
+.PHONY: demo test bench lint venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,hf]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/memkit fit --config examples/configs/tiny_lm.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check lightning_memkit tests benchmarks examples
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run $(BENCH_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lightning_memkit tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) lightning_logs runs .pytest_cache

@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from lightning_memkit.memory import LivePeak
+
+
+def test_known_allocations_exact():
+    with LivePeak() as lp:
+        a = torch.empty(1000, dtype=torch.float32)
+        b = torch.empty(500, dtype=torch.float64)
+        assert lp.live_bytes == 4000 + 4000
+        del a
+        assert lp.live_bytes == 4000
+        c = torch.zeros(10, dtype=torch.uint8)
+    assert lp.peak_bytes == 8000
+    assert lp.live_bytes == 4010
+    del b, c
+    assert lp.live_bytes == 0
+
+
+def test_views_and_inplace_counted_once_and_preexisting_ignored():
+    x = torch.randn(256)  # exists before the block: never counted
+    with LivePeak() as lp:
+        x.mul_(2)
+        v = x.view(16, 16)
+        y = x + 1  # 1 KiB new
+        yv = y[::2]
+        y.add_(1)
+    assert lp.peak_bytes == 256 * 4
+    del y
+    assert lp.live_bytes == 256 * 4  # the view keeps the storage alive
+    del yv, v
+    assert lp.live_bytes == 0
+
+
+def test_peak_is_high_water_mark_of_temporaries():
+    with LivePeak() as lp:
+        for _ in range(3):
+            t = torch.ones(2048)  # 8 KiB, previous one freed on rebinding
+            del t
+    assert lp.peak_bytes == 8192
+    assert lp.live_bytes == 0
+
+
+def test_autograd_backward_is_counted():
+    w = torch.randn(64, 32, requires_grad=True)
+    x = torch.randn(8, 64)
+    with LivePeak() as lp:
+        y = (x @ w).sum()
+        y.backward()
+    # w.grad (64*32*4 bytes) is created in the block and stays alive
+    assert lp.live_bytes >= w.numel() * 4
+    assert lp.is_tracked(w.grad)
+
+
+def test_per_device_split():
+    with LivePeak() as lp:
+        a = torch.empty(100, dtype=torch.float32)
+        m = torch.empty(100, device="meta")  # meta tensors own no memory
+    assert lp.by_device["cpu"].peak == 400
+    assert "meta" not in lp.by_device
+    del a, m
+
+
+@pytest.mark.cuda
+def test_cuda_split_and_cross_check():
+    torch.cuda.init()
+    with LivePeak() as lp:
+        a = torch.empty(1 << 20, device="cuda")
+        b = torch.empty(1000, dtype=torch.float32)
+    assert lp.by_device["cuda:0"].peak == 4 << 20
+    assert lp.by_device["cpu"].peak == 4000
+    assert lp.cuda_peak_delta["cuda:0"] >= 4 << 20
+    del a, b
+
+
+def test_not_reentrant_and_bad_tag():
+    lp = LivePeak()
+    with lp, pytest.raises(RuntimeError, match="re-entrant"):
+        lp.__enter__()
+    with pytest.raises(TypeError, match="tag"):
+        LivePeak(tag=3)
+
+
+def test_tag_attribution():
+    label = ["a"]
+    with LivePeak(tag=lambda: label[0]) as lp:
+        x = torch.empty(10)
+        label[0] = "b"
+        y = torch.empty(20)
+    tags = sorted((tag, n) for _, n, _, tag in lp.live_storages())
+    assert tags == [("a", 40), ("b", 80)]
+    del x, y
