@@ -4,6 +4,9 @@ import pytest
 import torch
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
+# One intra-op thread: tests run tiny ops, where thread hand-off costs more than it saves, and a 2-core
+# CI machine would otherwise be oversubscribed.
+torch.set_num_threads(1)
 
 HAS_CUDA = torch.cuda.is_available()
 

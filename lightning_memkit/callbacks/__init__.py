@@ -1,1 +1,19 @@
 """callbacks."""
+
+from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memkit.callbacks.allocator_warmup_guard import AllocatorWarmupGuard
+from lightning_memkit.callbacks.mxfp4_loading import MXFP4CheckpointLoader
+from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
+from lightning_memkit.callbacks.phase_memory_release import PhaseMemoryRelease
+from lightning_memkit.callbacks.saved_tensor_profiler import SavedTensorProfiler
+from lightning_memkit.callbacks.stage_boundary_release import StageBoundaryRelease
+
+__all__ = [
+    "ActivationCheckpointing",
+    "PhaseMemoryRelease",
+    "AllocatorWarmupGuard",
+    "MXFP4CheckpointLoader",
+    "PeakMemoryMonitor",
+    "SavedTensorProfiler",
+    "StageBoundaryRelease",
+]

@@ -1,1 +1,11 @@
 """demo."""
+
+from lightning_memkit.demo.byte_text import ByteTextDataModule
+from lightning_memkit.demo.moe import TinyMoE
+from lightning_memkit.demo.tiny_lm import TinyLM
+
+__all__ = [
+    "ByteTextDataModule",
+    "TinyLM",
+    "TinyMoE",
+]

@@ -1,5 +1,14 @@
 """Pure-torch memory accounting and release (never imports Lightning)."""
 
+from lightning_memkit.memory.activation_recompute import (
+    RecomputeHandle,
+    checkpoint_modules,
+    is_checkpointed,
+    select_modules,
+)
+from lightning_memkit.memory.allocator_warmup import WarmupDecision, guard_allocator_warmup, warmup_decision
+from lightning_memkit.memory.checkpoint_plan import CheckpointPlan, plan_checkpointing
+from lightning_memkit.memory.deferred_free import DeferredFree
 from lightning_memkit.memory.device import (
     active_device_index,
     device_total_memory,
@@ -8,8 +17,51 @@ from lightning_memkit.memory.device import (
     resolve_device,
 )
 from lightning_memkit.memory.live_peak import DeviceBytes, LivePeak
+from lightning_memkit.memory.release import (
+    Referrer,
+    ReferrerReport,
+    empty_device_cache,
+    find_referrers,
+    release_optimizer_state,
+)
+from lightning_memkit.memory.saved_tensors import SavedTensorReport, SavedTensorRow, profile_saved_tensors
+from lightning_memkit.memory.stage_boundary import (
+    BoundaryStats,
+    release_stage_boundaries,
+    stage_boundaries_enabled,
+    stage_boundary,
+)
+from lightning_memkit.memory.storage_release import (
+    PoisonedReadError,
+    UnsafeReleaseError,
+    poison_guard,
+    release_storage,
+)
 
 __all__ = [
+    "release_optimizer_state",
+    "find_referrers",
+    "empty_device_cache",
+    "Referrer",
+    "ReferrerReport",
+    "plan_checkpointing",
+    "CheckpointPlan",
+    "checkpoint_modules",
+    "select_modules",
+    "is_checkpointed",
+    "RecomputeHandle",
+    "release_storage",
+    "UnsafeReleaseError",
+    "PoisonedReadError",
+    "poison_guard",
+    "DeferredFree",
+    "stage_boundary",
+    "release_stage_boundaries",
+    "stage_boundaries_enabled",
+    "BoundaryStats",
+    "warmup_decision",
+    "WarmupDecision",
+    "guard_allocator_warmup",
     "LivePeak",
     "DeviceBytes",
     "active_device_index",
@@ -17,4 +69,7 @@ __all__ = [
     "effective_device_memory",
     "memory_fraction",
     "resolve_device",
+    "profile_saved_tensors",
+    "SavedTensorReport",
+    "SavedTensorRow",
 ]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["LivePeak", "DeviceBytes", "storage_key", "iter_tensors", "note_storage_resized"]
@@ -87,6 +87,27 @@ class _Mode(TorchDispatchMode):
         return out
 
 
+def _leave_mode(mode: TorchDispatchMode | None, exc: tuple) -> None:
+    """Pop ``mode`` even when modes entered after it are still open (hooks may close out of order).
+
+    Modes above it are stepped out of and entered again, so they keep counting. A mode that is no
+    longer on the stack (someone else popped it) is left alone.
+    """
+    stack = _get_current_dispatch_mode_stack()
+    if mode is None or not any(m is mode for m in stack):
+        return
+    above = []
+    while stack[-1] is not mode:
+        top = stack.pop()
+        TorchDispatchMode.__exit__(top, None, None, None)
+        above.append(top)
+    try:
+        mode.__exit__(*exc)
+    finally:
+        for top in reversed(above):
+            TorchDispatchMode.__enter__(top)
+
+
 def _has_storage(t: torch.Tensor) -> bool:
     if t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
         return False
@@ -139,11 +160,11 @@ class LivePeak:
         return self
 
     def __exit__(self, *exc) -> None:
+        mode, self._mode = self._mode, None
         try:
-            self._mode.__exit__(*exc)
+            _leave_mode(mode, exc)
         finally:
-            _ACTIVE.remove(self)
-            self._mode = None
+            _ACTIVE[:] = [t for t in _ACTIVE if t is not self]
             if self._cuda_start:
                 self.cuda_peak_delta = {
                     f"cuda:{i}": torch.cuda.max_memory_allocated(i) - start

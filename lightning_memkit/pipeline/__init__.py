@@ -1,1 +1,41 @@
 """pipeline."""
+
+from lightning_memkit.pipeline.cost import (
+    SCHEDULES,
+    LayerCost,
+    as_layer_costs,
+    inflight_microbatches,
+    measure_layer_costs,
+    optimizer_state_bytes,
+    resolve_stages_per_rank,
+    stage_to_rank,
+    static_cost,
+)
+from lightning_memkit.pipeline.partition import (
+    Partition,
+    evaluate_partition,
+    parameter_balanced_partition,
+    partition_layers,
+    stage_cost_matrix,
+    uniform_partition,
+)
+from lightning_memkit.pipeline.runtime import PipelineRuntime
+
+__all__ = [
+    "SCHEDULES",
+    "LayerCost",
+    "Partition",
+    "PipelineRuntime",
+    "as_layer_costs",
+    "evaluate_partition",
+    "inflight_microbatches",
+    "measure_layer_costs",
+    "optimizer_state_bytes",
+    "parameter_balanced_partition",
+    "partition_layers",
+    "resolve_stages_per_rank",
+    "stage_cost_matrix",
+    "stage_to_rank",
+    "static_cost",
+    "uniform_partition",
+]

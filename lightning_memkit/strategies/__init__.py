@@ -1,1 +1,5 @@
 """strategies."""
+
+from lightning_memkit.strategies.pipeline import MemkitPipelineStrategy, load_pipeline_state_dict  # noqa: E402
+
+__all__ = ["MemkitPipelineStrategy", "load_pipeline_state_dict"]

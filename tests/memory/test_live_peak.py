@@ -91,3 +91,18 @@ def test_tag_attribution():
     tags = sorted((tag, n) for _, n, _, tag in lp.live_storages())
     assert tags == [("a", 40), ("b", 80)]
     del x, y
+
+
+def test_out_of_order_exit_keeps_inner_tracker_counting():
+    outer, inner = LivePeak(), LivePeak()
+    outer.__enter__()
+    inner.__enter__()
+    a = torch.empty(100)  # both see 400 bytes
+    outer.__exit__(None, None, None)  # closed before the tracker opened after it
+    b = torch.empty(50)  # only the inner one is still counting
+    inner.__exit__(None, None, None)
+    assert outer.peak_bytes == 400
+    assert inner.peak_bytes == 600
+    c = torch.empty(10)  # nobody counts any more
+    assert inner.live_bytes == 600
+    del a, b, c

@@ -1,0 +1,333 @@
+"""Recompute chosen layers in backward (activation checkpointing), picked by a policy or by a memory budget.
+
+Example::
+
+    from lightning import Trainer
+    from lightning_memkit.callbacks import ActivationCheckpointing
+    from lightning_memkit.demo.tiny_lm import Block
+
+    Trainer(callbacks=[ActivationCheckpointing(policy={Block})])                       # every Block
+    Trainer(callbacks=[ActivationCheckpointing(policy={Block}, budget_bytes=2 << 30)])  # fewest Blocks under 2 GiB
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.seed import isolate_rng
+from torch import nn
+
+from lightning_memkit.callbacks.phase_memory_release import drop_model_log_refs
+from lightning_memkit.memory.activation_recompute import (
+    PolicyLike,
+    RecomputeHandle,
+    describe_policy,
+    resolve_policy,
+    select_modules,
+)
+from lightning_memkit.memory.checkpoint_plan import CheckpointPlan, layer_savings, plan_checkpointing, predicted_peak
+from lightning_memkit.memory.live_peak import LivePeak, iter_tensors, storage_key
+from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
+
+__all__ = ["ActivationCheckpointing"]
+
+_OWN_POLICY = {
+    "FSDPStrategy": "FSDPStrategy(activation_checkpointing_policy={...})",
+    "ModelParallelStrategy": "torch.distributed checkpoint_wrapper inside LightningModule.configure_model",
+    "DeepSpeedStrategy": "DeepSpeedStrategy(partition_activations=..., cpu_checkpointing=...)",
+}
+
+
+def _strategy_kind(strategy: Any) -> str | None:
+    for cls in type(strategy).__mro__:
+        if cls.__name__ in _OWN_POLICY:
+            return cls.__name__
+    return None
+
+
+def _unique_bytes(obj: Any) -> int:
+    seen, total = set(), 0
+    for t in iter_tensors(obj):
+        if t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
+            continue
+        key = storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise RuntimeError(
+            "ActivationCheckpointing(budget_bytes=...) profiles one training_step and needs it to return a loss "
+            f"tensor (or a dict with 'loss') that requires grad; got {type(loss).__name__}"
+        )
+    return loss
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, **attrs: Any) -> Iterator[None]:
+    """Set instance attributes for the duration of the block, then remove them again."""
+    had = {name: name in vars(obj) for name in attrs}
+    old = {name: vars(obj)[name] for name in attrs if had[name]}
+    try:
+        for name, value in attrs.items():
+            setattr(obj, name, value)
+        yield
+    finally:
+        for name in attrs:
+            if had[name]:
+                setattr(obj, name, old[name])
+            else:
+                delattr(obj, name)
+
+
+class ActivationCheckpointing(Callback):
+    """Recompute the chosen submodules during backward instead of keeping their activations.
+
+    ``policy`` picks candidate submodules: module classes (or class-path strings, for YAML) or a callable
+    ``(name, module) -> bool``; nested matches are covered by their outermost match. Each chosen module's
+    ``forward`` is wrapped with non-reentrant :func:`torch.utils.checkpoint.checkpoint` at ``on_fit_start``
+    and restored at ``teardown`` (or on an exception); module names and ``state_dict`` keys never change,
+    so checkpoints load with or without this callback. Works on one device and under DDP; FSDP, model
+    parallel and DeepSpeed have their own activation checkpointing, and asking for this one there is an error.
+
+    With ``budget_bytes``, the first training batch is run outside the loop (RNG, gradients and buffers
+    restored, logging muted) under :class:`~lightning_memkit.memory.saved_tensors.SavedTensorRecorder`, the
+    recorder behind :func:`~lightning_memkit.memory.profile_saved_tensors`: once with nothing recomputed
+    (baseline peak and per-layer saved bytes) and once with every candidate recomputed (the best peak).
+    A candidate's saving is the activation bytes saved inside it minus its inputs, which recomputation
+    keeps; :func:`~lightning_memkit.memory.plan_checkpointing` picks the fewest layers that bring the
+    step's forward+backward peak (new bytes on the training device as ``LivePeak`` counts them: weights
+    and optimizer state excluded) to the budget. That prediction is then checked by measurement along
+    the same largest-saving-first order (one more run per probe, usually one or two): the shortest prefix
+    of that order whose *measured* peak is within budget is kept; the layers and the predicted and measured peaks are
+    printed. A budget that even recomputing every candidate cannot reach raises ``ValueError`` with the
+    best achievable peak. Each ``fit`` plans again on its first batch.
+
+    ``offload=True`` (CUDA only; an error elsewhere) also runs ``training_step`` under
+    ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: what the non-recomputed parts save for backward
+    goes to pinned host memory.
+
+    Args:
+        policy: module classes / class paths, or a callable ``(name, module) -> bool``.
+        budget_bytes: step peak to reach with the fewest recomputed layers (``None``: recompute all matches).
+        offload: move saved activations to pinned CPU memory (CUDA).
+
+    Attributes:
+        plan: the :class:`~lightning_memkit.memory.CheckpointPlan` (budget mode), else ``None``.
+        checkpointed: names of the modules recomputed in the current (or last) fit.
+        measured_peak_bytes: the measured step peak with the plan applied, on the first batch (budget mode).
+    """
+
+    def __init__(self, policy: PolicyLike, budget_bytes: int | None = None, offload: bool = False):
+        resolve_policy(policy)  # validates and imports class paths now
+        if budget_bytes is not None and (
+            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0
+        ):
+            raise ValueError(f"budget_bytes must be None or a positive int (bytes), got {budget_bytes!r}")
+        if not isinstance(offload, bool):
+            raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
+        if offload and not torch.cuda.is_available():
+            raise ValueError(
+                "offload=True moves saved activations from a CUDA device to pinned CPU memory, but CUDA is not "
+                "available here; set offload=False"
+            )
+        self.policy = policy
+        self.budget_bytes = budget_bytes
+        self.offload = offload
+        self.plan: CheckpointPlan | None = None
+        self.checkpointed: list[str] = []
+        self.measured_peak_bytes: int | None = None
+        self._handle = RecomputeHandle()
+        self._candidates: list[tuple[str, weakref.ref]] = []
+        self._needs_plan = False
+        self._device: str = "cpu"
+        self._offload_patch: contextlib.ExitStack | None = None
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        kind = _strategy_kind(trainer.strategy)
+        if kind is not None:
+            raise ValueError(
+                f"ActivationCheckpointing does not run under {kind}, which checkpoints activations itself: use "
+                f"{_OWN_POLICY[kind]} with policy {describe_policy(self.policy)} and remove this callback"
+            )
+        if self.budget_bytes is not None and not pl_module.automatic_optimization:
+            raise ValueError(
+                "ActivationCheckpointing(budget_bytes=...) profiles a training_step outside the loop and needs "
+                "automatic optimization; with manual optimization pass budget_bytes=None"
+            )
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        chosen = select_modules(pl_module, self.policy)  # raises, listing the classes, when nothing matches
+        device = trainer.strategy.root_device
+        if self.offload and device.type != "cuda":
+            raise ValueError(
+                f"offload=True moves saved activations from a CUDA device to pinned CPU memory, but training runs "
+                f"on {device}; set offload=False"
+            )
+        self._device = str(device)
+        self._candidates = [(name, weakref.ref(m)) for name, m in chosen]
+        self.checkpointed = []
+        self.measured_peak_bytes = None
+        if self.budget_bytes is None:
+            self._wrap([name for name, _ in chosen])
+        else:
+            self._needs_plan = True  # every fit plans again: the model, batch or precision may have changed
+        if self.offload:
+            self._patch_offload(pl_module)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._needs_plan:
+            return
+        self._needs_plan = False
+        plan, measured = self._make_plan(trainer, pl_module, batch, batch_idx)
+        self.plan, self.measured_peak_bytes = plan, measured
+        self._wrap(plan.layers)
+        rank_zero_info(
+            f"ActivationCheckpointing: recomputing {len(plan.layers)} of {len(plan.savings)} layers "
+            f"({', '.join(plan.layers) or 'none'}); step peak predicted {plan.predicted_peak} bytes, measured "
+            f"{measured} bytes, budget {plan.budget_bytes} bytes (nothing recomputed: {plan.baseline_peak} bytes)"
+        )
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._restore()
+        drop_model_log_refs([self], pl_module)  # Lightning's callback.log would keep the model alive
+
+    # -- work --------------------------------------------------------------------------------------
+    def _modules(self, names: list[str]) -> list[tuple[str, nn.Module]]:
+        by_name = dict(self._candidates)
+        out = []
+        for name in names:
+            module = by_name[name]()
+            if module is None:
+                raise RuntimeError(f"module {name!r} was garbage-collected before it could be checkpointed")
+            out.append((name, module))
+        return out
+
+    def _wrap(self, names: list[str]) -> None:
+        self._handle.add(self._modules(names))
+        self.checkpointed = list(names)
+
+    def _patch_offload(self, pl_module: LightningModule) -> None:
+        step = pl_module.training_step
+
+        @functools.wraps(step)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return step(*args, **kwargs)
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(_patched(pl_module, training_step=training_step))
+        self._offload_patch = stack
+
+    def _restore(self) -> None:
+        self._handle.restore()
+        self._needs_plan = False
+        stack, self._offload_patch = self._offload_patch, None
+        if stack is not None:
+            stack.close()
+
+    def _device_peak(self, live: LivePeak) -> int:
+        dev = live.by_device.get(self._device)
+        return dev.peak if dev is not None else live.peak_bytes
+
+    def _make_plan(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> tuple[CheckpointPlan, int]:
+        """Plan from the model, then walk the greedy order with measured peaks to the fewest layers."""
+        names = [name for name, _ in self._candidates]
+        baseline, acts, inputs = self._profile(trainer, pl_module, batch, batch_idx, wrapped=[])
+        all_peak, _, _ = self._profile(trainer, pl_module, batch, batch_idx, wrapped=names)
+        savings = layer_savings(acts, inputs)
+        overhead = max(0, all_peak - (baseline - sum(s for s in savings.values() if s > 0)))
+        plan = plan_checkpointing(savings, baseline, self.budget_bytes, recompute_overhead=overhead)
+        measured = {0: baseline, len(plan.ranked): all_peak}
+
+        def peak(k: int) -> int:
+            if k not in measured:
+                measured[k] = self._profile(trainer, pl_module, batch, batch_idx, wrapped=plan.first(k))[0]
+            return measured[k]
+
+        k = len(plan.layers)
+        while k > 0 and peak(k - 1) <= self.budget_bytes:
+            k -= 1
+        while peak(k) > self.budget_bytes and k < len(plan.ranked):
+            k += 1
+        if peak(k) > self.budget_bytes:
+            raise ValueError(
+                f"budget_bytes={self.budget_bytes} cannot be reached: the best measured peak is "
+                f"{min(measured.values())} bytes (baseline {baseline} bytes); raise budget_bytes, widen the policy "
+                "or lower the batch size"
+            )
+        plan.layers = plan.first(k)
+        plan.predicted_peak = predicted_peak(savings, baseline, plan.layers, overhead)
+        return plan, peak(k)
+
+    def _profile(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, wrapped: list[str]
+    ) -> tuple[int, dict[str, int], dict[str, int]]:
+        """One forward+backward of ``training_step`` outside the loop: peak, per-candidate activations and inputs."""
+        candidates = self._modules([name for name, _ in self._candidates])
+        inputs: Counter = Counter()
+        hooks = [
+            m.register_forward_pre_hook(self._input_counter(name, inputs), with_kwargs=True) for name, m in candidates
+        ]
+        grads = [(p, p.grad) for p in pl_module.parameters()]
+        buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+        model = trainer.strategy.model
+        no_sync = model.no_sync if hasattr(model, "no_sync") else contextlib.nullcontext
+        mute = lambda *a, **k: None  # noqa: E731
+        handle = RecomputeHandle()
+        try:
+            handle.add([(n, m) for n, m in candidates if n in wrapped])
+            with isolate_rng(), _patched(pl_module, log=mute, log_dict=mute):
+                with SavedTensorRecorder(pl_module) as rec:
+                    with trainer.strategy.precision_plugin.train_step_context():
+                        loss = _loss_of(pl_module.training_step(batch, batch_idx))
+                    rec.stop()
+                    with no_sync():
+                        loss.backward()
+                report = rec.report(output=loss, include_peak=True)
+                peak = self._device_peak(rec.live_peak)
+                del loss
+        finally:
+            handle.restore()
+            for h in hooks:
+                h.remove()
+            for p, g in grads:
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+        acts = {}
+        for name, _ in candidates:
+            acts[name] = sum(
+                r.activation_bytes for r in report.rows if r.name == name or r.name.startswith(name + ".") or not name
+            )
+        return peak, acts, dict(inputs)
+
+    @staticmethod
+    def _input_counter(name: str, counts: Counter) -> Callable:
+        def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            counts[name] += _unique_bytes((args, kwargs))
+
+        return hook

@@ -1,0 +1,294 @@
+"""Measure the peak memory of every training step and log it, with a summary at the end of training.
+
+Example::
+
+    from lightning import Trainer
+    from lightning_memkit.callbacks import PeakMemoryMonitor
+
+    monitor = PeakMemoryMonitor(log_every_n_steps=10)
+    trainer = Trainer(callbacks=[monitor])
+    trainer.fit(model)
+    monitor.summary["max_step_peak_bytes"]   # the largest step peak over all ranks, in bytes
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torchmetrics import MaxMetric, MeanMetric
+
+from lightning_memkit.memory import LivePeak, resolve_device
+
+__all__ = ["PeakMemoryMonitor"]
+
+log = logging.getLogger(__name__)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"PeakMemoryMonitor({name}={value!r}) must be a positive int")
+    return value
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:,.2f} GiB"
+
+
+class PeakMemoryMonitor(Callback):
+    """Peak memory of each training step (``on_train_batch_start`` to ``on_train_batch_end``), in bytes.
+
+    What one step's peak is:
+
+    * CUDA: ``torch.cuda.reset_peak_memory_stats`` at batch start, then ``max_memory_allocated`` at batch
+      end. ``memkit/step_peak_bytes`` is the peak minus the bytes allocated when the step started (what
+      the step itself added: activations, gradients, optimizer temporaries);
+      ``memkit/step_peak_allocated_bytes`` is the absolute peak (weights and optimizer state included).
+      Every step is measured; the cost is two counter reads.
+    * CPU (and other devices): a :class:`~lightning_memkit.memory.LivePeak` around the step, exact to the
+      byte for storages created during the step. Its dispatch mode costs Python time per op, so only
+      every ``cpu_sample_every_n_steps``-th batch is measured (batches 0, n, 2n, ...); the others cost
+      one integer test. Set it to 1 to measure every step.
+
+    Step peaks are aggregated with torchmetrics (``MaxMetric``, ``MeanMetric``, synced over ranks at
+    epoch and training end). Measured steps are written to every logger every ``log_every_n_steps``-th
+    measured step; ``memkit/peak_bytes`` (the largest step peak so far, all ranks) at each epoch end.
+    At the end of training ``summary`` holds a dict and, on global rank 0 with ``verbose``, a table is
+    printed.
+
+    Args:
+        log_every_n_steps: write every n-th measured step peak to the loggers.
+        device: the device to measure (``None``: the LightningModule's device). Accepts what
+            :func:`~lightning_memkit.memory.resolve_device` accepts.
+        cpu_sample_every_n_steps: on non-CUDA devices, measure one batch in this many (default 10).
+        verbose: print the summary table at the end of training.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int = 1,
+        device: torch.device | str | int | None = None,
+        cpu_sample_every_n_steps: int = 10,
+        verbose: bool = True,
+    ):
+        self.log_every_n_steps = _positive_int("log_every_n_steps", log_every_n_steps)
+        self.cpu_sample_every_n_steps = _positive_int("cpu_sample_every_n_steps", cpu_sample_every_n_steps)
+        if not isinstance(verbose, bool):
+            raise TypeError(f"PeakMemoryMonitor(verbose=...) must be a bool, got {type(verbose).__name__}")
+        self._requested_device = resolve_device(device) if device is not None else None
+        if self._requested_device is not None and self._requested_device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"PeakMemoryMonitor(device={device!r}): CUDA is not available; use 'cpu' or None")
+        self.verbose = verbose
+        self.device: torch.device | None = self._requested_device
+        self.summary: dict[str, Any] = {}
+        self.last_step_peak: int | None = None
+        self.last_step_peak_allocated: int | None = None
+        self._max = MaxMetric()
+        self._mean = MeanMetric()
+        self._max_allocated = MaxMetric()
+        for m in (self._max, self._mean, self._max_allocated):
+            m.set_dtype(torch.float64)  # byte counts stay exact up to 2**53
+        self._tracker: LivePeak | None = None
+        self._cuda_start: int | None = None
+        self._batches = 0
+        self._measured = 0
+        self._warned_nesting = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        # the module is moved to its device after this hook: ask the strategy where it goes
+        self.device = self._requested_device or resolve_device(trainer.strategy.root_device)
+        metric_device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        for m in (self._max, self._mean, self._max_allocated):
+            m.reset()
+            m.to(metric_device)
+            m.set_dtype(torch.float64)  # after .to(), which does not keep it
+        self.summary = {}
+        self.last_step_peak = self.last_step_peak_allocated = None
+        self._batches = self._measured = 0
+
+    @property
+    def uses_cuda_counters(self) -> bool:
+        """Whether steps are measured with the CUDA allocator's counters (else with ``LivePeak``)."""
+        return self.device is not None and self.device.type == "cuda"
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._close_tracker()  # a step skipped by `on_train_batch_start` returning -1 never reached batch end
+        index, self._batches = self._batches, self._batches + 1
+        if self.uses_cuda_counters:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_start = torch.cuda.memory_allocated(self.device)
+            return
+        if index % self.cpu_sample_every_n_steps:
+            return
+        tracker = LivePeak()
+        tracker.__enter__()
+        self._tracker = tracker
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.uses_cuda_counters:
+            if self._cuda_start is None:
+                return
+            allocated = torch.cuda.max_memory_allocated(self.device)
+            self._record(trainer, allocated - self._cuda_start, allocated)
+            self._cuda_start = None
+            return
+        tracker = self._tracker
+        if tracker is None:
+            return
+        if self._close_tracker():
+            self._record(trainer, self._device_peak(tracker), None)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_tracker()
+        peak, _, allocated = self._compute()
+        metrics = {}
+        if peak is not None:
+            metrics["memkit/peak_bytes"] = peak
+        if allocated is not None:
+            metrics["memkit/peak_allocated_bytes"] = allocated
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=_log_step(trainer))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_tracker()
+        peak, mean, allocated = self._compute()
+        self.summary = {
+            "device": str(self.device),
+            "method": "torch.cuda.max_memory_allocated" if self.uses_cuda_counters else "LivePeak",
+            "measured_steps": self._measured,
+            "sample_every_n_steps": 1 if self.uses_cuda_counters else self.cpu_sample_every_n_steps,
+            "max_step_peak_bytes": None if peak is None else int(peak),
+            "mean_step_peak_bytes": None if mean is None else float(mean),
+            "max_step_peak_allocated_bytes": None if allocated is None else int(allocated),
+        }
+        if self.verbose and trainer.is_global_zero:
+            from rich.console import Console
+
+            Console().print(self.table())
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._close_tracker()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close_tracker()
+
+    # -- report ------------------------------------------------------------------------------------
+    def table(self, title: str = "Peak memory per training step"):
+        """The summary as a ``rich.table.Table`` (empty before training ends)."""
+        from rich.table import Table
+
+        s = self.summary
+        table = Table(title=title, title_justify="left")
+        table.add_column("quantity")
+        table.add_column("value", justify="right")
+        if not s:
+            table.add_row("status", "no training finished yet")
+            return table
+        table.add_row("device", f"{s['device']} ({s['method']})")
+        every = s["sample_every_n_steps"]
+        sampled = f" (1 in {every})" if every > 1 else ""
+        table.add_row("measured steps (this rank)", f"{s['measured_steps']}{sampled}")
+        table.add_row("max step peak (all ranks)", _fmt_bytes(s["max_step_peak_bytes"]))
+        table.add_row("mean step peak (all ranks)", _fmt_bytes(s["mean_step_peak_bytes"]))
+        if s["max_step_peak_allocated_bytes"] is not None:
+            table.add_row("max allocated incl. weights", _fmt_bytes(s["max_step_peak_allocated_bytes"]))
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=100, record=True, file=_NullIO())
+        console.print(self.table())
+        return console.export_text()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _record(self, trainer: Trainer, step_peak: int, allocated: int | None) -> None:
+        self.last_step_peak, self.last_step_peak_allocated = step_peak, allocated
+        value = torch.tensor(float(step_peak), dtype=torch.float64, device=self._max.device)
+        self._max.update(value)
+        self._mean.update(value)
+        if allocated is not None:
+            self._max_allocated.update(torch.tensor(float(allocated), dtype=torch.float64, device=value.device))
+        self._measured += 1
+        if (self._measured - 1) % self.log_every_n_steps:
+            return
+        metrics = {"memkit/step_peak_bytes": float(step_peak)}
+        if allocated is not None:
+            metrics["memkit/step_peak_allocated_bytes"] = float(allocated)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=_log_step(trainer))
+
+    def _compute(self) -> tuple[float | None, float | None, float | None]:
+        """Max, mean and max-allocated over all ranks (collective: every rank must call it)."""
+
+        def value(metric) -> float | None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "compute called before update" on a rank with no steps
+                v = float(metric.compute())
+            return v if v == v and v not in (float("inf"), float("-inf")) else None
+
+        return value(self._max), value(self._mean), value(self._max_allocated)
+
+    def _device_peak(self, tracker: LivePeak) -> int:
+        dev = self.device
+        if dev is None or dev.type == "cpu":
+            return tracker.by_device["cpu"].peak if "cpu" in tracker.by_device else 0
+        peaks = [
+            d.peak
+            for name, d in tracker.by_device.items()
+            if torch.device(name).type == dev.type and (dev.index is None or torch.device(name).index == dev.index)
+        ]
+        return max(peaks, default=0)
+
+    def _close_tracker(self) -> bool:
+        """Leave the open tracker, if any; ``True`` when it counted the whole step (its peak can be used).
+
+        ``LivePeak`` leaves its dispatch mode even when modes entered after it are still open (another
+        callback's tracker closed in a later hook). If its mode is no longer on the stack, someone popped
+        it before the step ended: the count missed part of the step and is dropped, with a warning.
+        """
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return False
+        mode = tracker._mode
+        whole = mode is not None and any(m is mode for m in _get_current_dispatch_mode_stack())
+        tracker.__exit__(None, None, None)
+        if not whole and not self._warned_nesting:
+            self._warned_nesting = True
+            log.warning(
+                "PeakMemoryMonitor: the step's tracker was closed from outside before the step ended; such "
+                "steps are not recorded."
+            )
+        return whole
+
+
+class _NullIO:
+    def write(self, s: str) -> int:
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def _log_step(trainer: Trainer) -> int:
+    loop = getattr(trainer, "fit_loop", None)
+    epoch_loop = getattr(loop, "epoch_loop", None)
+    return int(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step))

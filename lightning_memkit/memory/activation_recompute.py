@@ -1,0 +1,214 @@
+"""Recompute chosen submodules in backward instead of keeping their activations (activation checkpointing).
+
+:func:`checkpoint_modules` patches the ``forward`` of each chosen submodule (an instance attribute, so
+the module tree, parameter names and ``state_dict`` keys stay exactly as they were) with a wrapper that
+runs the original ``forward`` under non-reentrant :func:`torch.utils.checkpoint.checkpoint`: only the
+inputs are kept, the rest is rebuilt during backward. Forward hooks still run once, outside the
+recomputed region. Without grad mode (validation, ``no_grad``) the wrapper calls ``forward`` directly.
+The returned handle restores every patched ``forward`` (also as a context manager, exceptions included)
+and holds the modules weakly.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_memkit.memory import checkpoint_modules, select_modules
+    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])
+    >>> chosen = select_modules(net, lambda name, m: name in ("0", "1"))
+    >>> with checkpoint_modules(chosen) as handle:
+    ...     net(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    ...     handle.names
+    ['0', '1']
+    >>> "forward" in vars(net[0])   # restored
+    False
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "PolicyLike",
+    "resolve_policy",
+    "describe_policy",
+    "select_modules",
+    "checkpoint_modules",
+    "RecomputeHandle",
+    "is_checkpointed",
+]
+
+PolicyLike = Union[type, str, Iterable[Union[type, str]], Callable[[str, nn.Module], bool]]  # noqa: UP007
+_MARK = "_memkit_recompute"
+
+
+def _import_class(path: str) -> type:
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"policy entry {path!r} is not a class path such as 'my_pkg.model.Block'")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"policy entry {path!r} cannot be imported: {err}") from err
+    if not isinstance(obj, type) or not issubclass(obj, nn.Module):
+        raise ValueError(f"policy entry {path!r} is not a torch.nn.Module subclass")
+    return obj
+
+
+def _as_classes(policy: Any) -> tuple[type, ...] | None:
+    if isinstance(policy, (str, type)):
+        policy = [policy]
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        classes = []
+        for entry in policy:
+            if isinstance(entry, str):
+                classes.append(_import_class(entry))
+            elif isinstance(entry, type) and issubclass(entry, nn.Module):
+                classes.append(entry)
+            else:
+                raise TypeError(
+                    f"policy entries must be torch.nn.Module classes or class-path strings, got {entry!r}"
+                )
+        if not classes:
+            raise ValueError("policy is empty: give module classes, class paths or a callable (name, module) -> bool")
+        return tuple(dict.fromkeys(classes))
+    return None
+
+
+def resolve_policy(policy: PolicyLike) -> Callable[[str, nn.Module], bool]:
+    """Turn a policy into a predicate ``(qualified name, module) -> bool``.
+
+    Accepted: a module class, a class-path string (``"lightning_memkit.demo.tiny_lm.Block"``), a set/list
+    of either, or a callable ``(name, module) -> bool``. Strings are imported now, so a typo fails here.
+    """
+    classes = _as_classes(policy)
+    if classes is not None:
+        return lambda _name, module: isinstance(module, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(
+        "policy must be a module class, a class-path string, a set/list of those, or a callable "
+        f"(name, module) -> bool; got {type(policy).__name__}"
+    )
+
+
+def describe_policy(policy: PolicyLike) -> str:
+    """A short text for messages: the class names, or the callable's name."""
+    classes = _as_classes(policy)
+    if classes is not None:
+        return "{" + ", ".join(sorted(c.__qualname__ for c in classes)) + "}"
+    return getattr(policy, "__qualname__", repr(policy))
+
+
+def select_modules(model: nn.Module, policy: PolicyLike) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for each submodule the policy picks, outermost only, in model order.
+
+    A match nested inside another match is skipped (the outer recomputation covers it). Raises
+    ``ValueError`` listing the model's module classes when nothing matches.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    predicate = resolve_policy(policy)
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name == c or name.startswith(c + ".") for c, _ in chosen if c) or (chosen and chosen[0][0] == ""):
+            continue
+        if predicate(name, module):
+            chosen.append((name, module))
+    if not chosen:
+        classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
+        raise ValueError(
+            f"policy={describe_policy(policy)} matched no submodule of {type(model).__name__}; "
+            f"its module classes are: {', '.join(classes)}"
+        )
+    return chosen
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is currently patched by :func:`checkpoint_modules`."""
+    return getattr(vars(module).get("forward"), _MARK, False)
+
+
+def _make_forward(module: nn.Module, previous: Callable | None) -> Callable:
+    ref = weakref.ref(module)
+    cls_forward = type(module).forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        mod = ref()
+        if mod is None:
+            raise RuntimeError("the module of this checkpointed forward was garbage-collected")
+        fn = previous if previous is not None else functools.partial(cls_forward, mod)
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    setattr(forward, _MARK, True)
+    forward._memkit_previous = previous  # type: ignore[attr-defined]
+    return forward
+
+
+class RecomputeHandle:
+    """The patched modules (held weakly); :meth:`restore` or leaving the ``with`` block undoes the patches."""
+
+    def __init__(self) -> None:
+        self._patched: list[tuple[str, weakref.ref]] = []
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, ref in self._patched if ref() is not None]
+
+    def add(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
+        """Patch more modules (all validated first: nothing is patched if one is already patched)."""
+        items = list(modules)
+        for name, module in items:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"module {name!r} must be a torch.nn.Module, got {type(module).__name__}")
+            if is_checkpointed(module):
+                raise ValueError(f"module {name!r} ({type(module).__name__}) is already checkpointed")
+        for name, module in items:
+            module.forward = _make_forward(module, vars(module).get("forward"))
+            self._patched.append((name, weakref.ref(module)))
+
+    def restore(self) -> None:
+        """Put every patched ``forward`` back (latest first); modules patched again by others are left alone."""
+        while self._patched:
+            _name, ref = self._patched.pop()
+            module = ref()
+            if module is None:
+                continue
+            current = vars(module).get("forward")
+            if not getattr(current, _MARK, False):
+                continue
+            previous = current._memkit_previous
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+
+    def __enter__(self) -> RecomputeHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def checkpoint_modules(modules: Iterable[tuple[str, nn.Module]] | Iterable[nn.Module]) -> RecomputeHandle:
+    """Recompute each given module in backward; returns the handle that restores them.
+
+    ``modules`` are ``(name, module)`` pairs (as :func:`select_modules` returns) or bare modules.
+    """
+    pairs = []
+    for i, item in enumerate(modules):
+        pairs.append(item if isinstance(item, tuple) else (str(i), item))
+    handle = RecomputeHandle()
+    handle.add(pairs)
+    return handle

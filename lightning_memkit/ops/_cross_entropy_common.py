@@ -1,0 +1,251 @@
+"""Pieces shared by :func:`cross_entropy` and :func:`linear_cross_entropy`.
+
+Option checks, target checks, backend choice, chunk sizing, and the per-chunk loss and gradient
+math in plain PyTorch (the Triton kernel in ``ops/triton/cross_entropy.py`` computes the same
+quantities). Per token, with ``z`` the (optionally soft-capped) logits, ``t`` the target,
+``eps`` the label smoothing and ``V`` the vocabulary size::
+
+    lse  = logsumexp(z)
+    loss = lse - (1 - eps) * z[t] - eps / V * sum(z) + z_loss * lse**2
+    dloss/dz = softmax(z) * (1 + 2 * z_loss * lse) - eps / V - (1 - eps) * onehot(t)
+
+Ignored tokens have loss 0 and gradient 0; with ``validate=False`` a target outside ``[0, V)``
+gives a NaN loss and NaN gradient for its token instead of an error.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CrossEntropyOptions",
+    "check_backend",
+    "check_target",
+    "auto_rows",
+    "check_chunk_size",
+    "grad_base_scale",
+    "torch_rows",
+    "triton_kernels",
+]
+
+REDUCTIONS = ("mean", "sum", "none")
+BACKENDS = ("auto", "torch", "triton")
+# "auto" chunk: the most bytes of fp32 logits per chunk, per device type (taller chunks run faster
+# GEMMs); linear_cross_entropy further limits a chunk to a quarter of the gradients it produces.
+AUTO_CHUNK_BYTES = {"cpu": 16 * 2**20, "cuda": 64 * 2**20}
+_DEFAULT_CHUNK_BYTES = 16 * 2**20
+MIN_AUTO_CHUNK_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class CrossEntropyOptions:
+    """The loss options shared by both ops, checked once at construction."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
+    reduction: str = "mean"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        ls = self.label_smoothing
+        if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0.0 <= float(ls) <= 1.0:
+            raise ValueError(f"label_smoothing must be a float in [0, 1], got {ls!r}")
+        zl = self.z_loss
+        if isinstance(zl, bool) or not isinstance(zl, (int, float)) or not (math.isfinite(zl) and zl >= 0.0):
+            raise ValueError(f"z_loss must be a finite float >= 0, got {zl!r}")
+        sc = self.softcap
+        if sc is not None and (
+            isinstance(sc, bool) or not isinstance(sc, (int, float)) or not (math.isfinite(sc) and sc > 0.0)
+        ):
+            raise ValueError(f"softcap must be None or a finite float > 0, got {sc!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+
+
+def check_target(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Raise ``ValueError`` if a target is outside ``[0, n_classes)`` and is not ``ignore_index``.
+
+    One host sync on accelerators (``bool(tensor)``); skip it with ``validate=False``.
+    """
+    bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
+    if bool(bad.any()):
+        first = target[bad][0].item()
+        raise ValueError(
+            f"target holds {first}, outside [0, {n_classes}) and not ignore_index={ignore_index}; "
+            "targets must be class indices in [0, V) or ignore_index"
+        )
+
+
+def check_backend(backend: str, device: torch.device) -> str:
+    """Resolve ``backend`` to ``"torch"`` or ``"triton"`` (``"auto"``: Triton on CUDA when importable)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        if device.type != "cuda" and not interpret:
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (got device {device}) or TRITON_INTERPRET=1 "
+                "(the Triton interpreter); use backend='auto' or 'torch'"
+            )
+        if triton_kernels() is None:
+            raise ValueError("backend='triton' needs the triton package, which cannot be imported here")
+        return "triton"
+    if device.type == "cuda" and triton_kernels() is not None:
+        return "triton"
+    return "torch"
+
+
+_KERNELS: list = []  # cached import of lightning_memkit.ops.triton.cross_entropy (or None)
+
+
+def triton_kernels():
+    """The Triton kernel module, imported on first use; ``None`` when triton is missing."""
+    if not _KERNELS:
+        try:
+            from lightning_memkit.ops.triton import cross_entropy as mod
+        except ImportError:
+            mod = None
+        _KERNELS.append(mod)
+    return _KERNELS[0]
+
+
+def check_chunk_size(chunk_size) -> None:
+    if chunk_size == "auto":
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be 'auto' or an int >= 1, got {chunk_size!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be 'auto' or an int >= 1, got {chunk_size!r}")
+
+
+def auto_rows(
+    chunk_size, n_rows: int, n_classes: int, device: torch.device, buffers: int = 1, budget: int | None = None
+) -> int:
+    """Rows per chunk: ``chunk_size`` if an int; for ``"auto"``, rows of fp32 logits filling
+    ``min(cap, max(1 MiB, budget))`` bytes, with ``cap`` from :data:`AUTO_CHUNK_BYTES` (16 MiB on CPU).
+
+    ``buffers`` is how many ``(rows, V)`` fp32 buffers a chunk needs (2 with softcap on the PyTorch
+    path); "auto" divides its bytes by it. Rows >= 32 are rounded down to a multiple of 16. The
+    result is clamped to ``[1, n_rows]``.
+    """
+    if chunk_size == "auto":
+        nbytes = AUTO_CHUNK_BYTES.get(device.type, _DEFAULT_CHUNK_BYTES)
+        if budget is not None:
+            nbytes = min(nbytes, max(MIN_AUTO_CHUNK_BYTES, budget))
+        rows = max(1, nbytes // max(1, buffers) // (4 * max(1, n_classes)))
+        if rows >= 32:
+            rows -= rows % 16
+    else:
+        rows = int(chunk_size)
+    return max(1, min(rows, n_rows))
+
+
+def grad_base_scale(target: torch.Tensor, o: CrossEntropyOptions) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(n_valid, base)``: the count of non-ignored targets (fp32, on device, ``None`` unless mean)
+    and the per-token gradient factor of the reduction (a 1-element fp32 tensor): ``1/n_valid`` for
+    mean, 1 for sum and none. No host sync.
+    """
+    if o.reduction == "mean":
+        n_valid = (target != o.ignore_index).sum().to(torch.float32)
+        return n_valid, (1.0 / n_valid).reshape(1)
+    return None, torch.ones(1, dtype=torch.float32, device=target.device)
+
+
+def _row_masks(target: torch.Tensor, n_classes: int, ignore_index: int):
+    valid = target != ignore_index
+    ok = valid & (target >= 0) & (target < n_classes)
+    bad = valid & ~ok
+    safe = torch.where(ok, target, 0)
+    return ok, bad, safe
+
+
+def _tanh_and_cap(z: torch.Tensor, cap: float, keep: torch.Tensor | None) -> None:
+    z.div_(cap).tanh_()
+    if keep is not None:
+        keep.copy_(z)
+    z.mul_(cap)
+
+
+def torch_rows(
+    z: torch.Tensor,
+    target: torch.Tensor,
+    o: CrossEntropyOptions,
+    *,
+    grad_scale: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Loss and log-sum-exp of a chunk of rows, and optionally their gradient, in place.
+
+    Args:
+        z: ``(r, V)`` float32 raw logits that this function overwrites.
+        target: ``(r,)`` integer targets.
+        grad_scale: ``(r,)`` or ``(1,)`` float32 factor per row; when given, ``z`` holds
+            ``dloss/dlogits * grad_scale`` on return (0 for ignored rows, NaN for bad ones).
+        lse: the rows' log-sum-exp when already known (backward); the loss is then not computed.
+        keep: ``(r, V)`` float32 scratch, required when ``softcap`` is set and a gradient is wanted.
+
+    Returns:
+        ``(loss, lse)``: float32 ``(r,)`` each; ``loss`` is ``None`` when ``lse`` was given.
+    """
+    n_classes = z.shape[1]
+    eps = float(o.label_smoothing)
+    cap = o.softcap
+    ok, bad, safe = _row_masks(target, n_classes, o.ignore_index)
+    want_grad = grad_scale is not None
+    if cap is not None:
+        if want_grad and keep is None:
+            raise ValueError("torch_rows: softcap with a gradient needs the keep buffer")
+        _tanh_and_cap(z, cap, keep if want_grad else None)
+    loss = None
+    if lse is None:
+        zt = z.gather(1, safe.unsqueeze(1)).squeeze(1)
+        zsum = z.sum(1) if eps > 0.0 else None
+        m = z.amax(1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        z.sub_(m).exp_()
+        s = z.sum(1, keepdim=True)
+        lse = (m + s.log()).squeeze(1)
+        loss = lse - (1.0 - eps) * zt
+        if zsum is not None:
+            loss = loss - (eps / n_classes) * zsum
+        if o.z_loss:
+            loss = loss + o.z_loss * lse * lse
+        fill = torch.where(bad, float("nan"), 0.0).to(loss.dtype)
+        loss = torch.where(ok, loss, fill)
+        inv_s = s.reciprocal_().squeeze(1)  # z holds exp(z - m); p = z / s
+    else:
+        z.sub_(lse.unsqueeze(1)).exp_()  # z holds p
+        inv_s = None
+    if want_grad:
+        gs = torch.where(ok, grad_scale.to(torch.float32), 0.0)
+        gs = torch.where(bad, float("nan"), gs)
+        coef = gs * (1.0 + 2.0 * o.z_loss * lse) if o.z_loss else gs
+        if inv_s is not None:
+            coef = coef * inv_s
+        z.mul_(coef.unsqueeze(1))
+        if eps > 0.0:
+            z.sub_((gs * (eps / n_classes)).unsqueeze(1))
+        z.scatter_add_(1, safe.unsqueeze(1), (gs * -(1.0 - eps)).unsqueeze(1))
+        if cap is not None:
+            keep.square_().neg_().add_(1.0)  # d(cap * tanh(x / cap))/dx = 1 - tanh^2
+            z.mul_(keep)
+    return loss, lse
+
+
+def reduce_loss(loss_rows: torch.Tensor, o: CrossEntropyOptions, n_valid: torch.Tensor | None, shape, dtype):
+    """Apply the reduction to fp32 per-token losses and cast to the output dtype."""
+    if o.reduction == "mean":
+        return (loss_rows.sum() / n_valid).to(dtype)
+    if o.reduction == "sum":
+        return loss_rows.sum().to(dtype)
+    return loss_rows.reshape(shape).to(dtype)

@@ -1,0 +1,306 @@
+"""LM head plus cross-entropy without the ``(N, V)`` logits: chunked over tokens, gradients in forward.
+
+``linear_cross_entropy(hidden, weight, target)`` equals
+``F.cross_entropy(hidden @ weight.T + bias, target)`` (plus the z-loss and soft-capping options of
+:func:`~lightning_memkit.ops.cross_entropy`) but holds at most one chunk of logits at a time.
+
+Design (measured in ``benchmarks/bench_cross_entropy.py``):
+
+* ``reduction="mean"``/``"sum"``: the gradients for ``hidden``, ``weight`` and ``bias`` are built
+  chunk by chunk during forward (Liger style) into their final buffers, ``weight``/``bias``
+  accumulating in ``accum_dtype`` (fp32). Backward only scales them *in place* by the upstream
+  scalar gradient, so the peak is ``dW + dx + one chunk`` and no second copy of the gradients is
+  made (``F.linear_cross_entropy``'s chunked path allocates the scaled gradients anew).
+* ``reduction="none"``: ``dW`` depends on the per-token upstream gradients, so forward keeps only
+  the per-token log-sum-exp and backward recomputes the logits chunk by chunk.
+* No host syncs (except the optional target check, ``validate=True``). Inside ``torch.compile`` the
+  op runs eagerly behind a graph break.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_memkit.ops import linear_cross_entropy
+    >>> hidden = torch.randn(2, 8, 16, requires_grad=True)
+    >>> head = torch.nn.Linear(16, 50, bias=False)
+    >>> target = torch.randint(0, 50, (2, 8))
+    >>> loss = linear_cross_entropy(hidden, head.weight, target, chunk_size=4)
+    >>> loss.backward()
+    >>> head.weight.grad.shape
+    torch.Size([50, 16])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from lightning_memkit.ops._cross_entropy_common import (
+    CrossEntropyOptions,
+    auto_rows,
+    check_backend,
+    check_chunk_size,
+    check_target,
+    grad_base_scale,
+    reduce_loss,
+    torch_rows,
+    triton_kernels,
+)
+from lightning_memkit.ops.cross_entropy import _kernel_args, _scale_for_backward, check_logits_target
+
+__all__ = ["linear_cross_entropy"]
+
+_disable_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+_ACCUM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_MIXED_ADDMM_OK: dict[tuple, bool] = {}
+
+
+def _addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` possibly wider than ``a``/``b`` (fp32 accumulation of bf16)."""
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    key = (acc.device.type, a.dtype, acc.dtype)
+    if acc.device.type == "cuda" and a.dtype == b.dtype and _MIXED_ADDMM_OK.get(key, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _MIXED_ADDMM_OK[key] = True
+            return
+        except (RuntimeError, TypeError):
+            _MIXED_ADDMM_OK[key] = False
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+class _Chunker:
+    """The per-chunk work shared by forward and the ``reduction="none"`` backward."""
+
+    def __init__(self, x, weight, bias, target, o, backend, rows, accum_dtype):
+        self.x, self.w, self.b, self.t, self.o = x, weight, bias, target, o
+        self.backend, self.rows, self.accum_dtype = backend, rows, accum_dtype
+        n, v = x.shape[0], weight.shape[0]
+        dev = x.device
+        # Triton works on logits in the compute dtype; the PyTorch path on an fp32 chunk.
+        zdtype = x.dtype if backend == "triton" else torch.float32
+        self.buf = torch.empty(min(rows, max(n, 1)), v, dtype=zdtype, device=dev)
+        self.keep = None
+        if backend == "torch" and o.softcap is not None:
+            self.keep = torch.empty_like(self.buf)
+        self.kargs = _kernel_args(o)
+
+    def logits(self, a: int, b: int) -> torch.Tensor:
+        z = self.buf[: b - a]
+        xc = self.x[a:b]
+        if z.dtype == xc.dtype:
+            if self.b is not None:
+                torch.addmm(self.b.to(z.dtype), xc, self.w.t(), out=z)
+            else:
+                torch.mm(xc, self.w.t(), out=z)
+        else:
+            z.copy_(torch.mm(xc, self.w.t()))
+            if self.b is not None:
+                z.add_(self.b)
+        return z
+
+    def loss_and_grad(self, z, a, b, *, grad_scale, lse=None):
+        """Fill ``z`` with the scaled gradient (if ``grad_scale``); return ``(loss, lse)`` rows."""
+        t = self.t[a:b]
+        gs = None
+        if grad_scale is not None:
+            gs = grad_scale[a:b] if grad_scale.numel() > 1 else grad_scale
+        if self.backend == "triton":
+            loss = None if lse is not None else torch.empty(b - a, dtype=torch.float32, device=z.device)
+            out = triton_kernels().ce_rows(
+                z, t, loss=loss, lse=lse, lse_known=lse is not None, grad=z if gs is not None else None,
+                grad_scale=gs, **self.kargs,
+            )
+            return loss, out
+        keep = None if self.keep is None else self.keep[: b - a]
+        return torch_rows(z, t, self.o, grad_scale=gs, lse=lse, keep=keep)
+
+    def accumulate(self, g, a, b, dx, dw, db) -> None:
+        """Turn the chunk gradient ``g`` (``dloss/dlogits``) into its share of ``dx``, ``dW``, ``db``."""
+        xc = self.x[a:b]
+        if dx is not None:
+            if g.dtype == self.w.dtype:
+                torch.mm(g, self.w, out=dx[a:b])
+            else:
+                dx[a:b] = torch.mm(g.to(self.w.dtype), self.w)
+        if dw is not None:
+            _addmm_into(dw, g.t(), xc)
+        if db is not None:
+            db.add_(g.sum(0, dtype=db.dtype))
+
+
+def _buffers(x, weight, bias, accum_dtype, need):
+    dx = torch.empty_like(x) if need[0] else None
+    dw = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if need[1] else None
+    db = torch.zeros(bias.shape, dtype=accum_dtype, device=bias.device) if need[2] else None
+    return dx, dw, db
+
+
+def _finish(dw, db, weight, bias):
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None and db.dtype != bias.dtype:
+        db = db.to(bias.dtype)
+    return dw, db
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, o, backend, rows, accum_dtype, grad_enabled):
+        h = hidden.shape[-1]
+        x = hidden.reshape(-1, h)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        t = target.reshape(-1).contiguous()
+        n = x.shape[0]
+        ng = ctx.needs_input_grad
+        need = (grad_enabled and ng[0], grad_enabled and ng[1], grad_enabled and bias is not None and ng[2])
+        in_forward = any(need) and o.reduction != "none"
+        n_valid, base = grad_base_scale(t, o)
+        ch = _Chunker(x, weight, bias, t, o, backend, rows, accum_dtype)
+        loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
+        lse = torch.empty(n, dtype=torch.float32, device=x.device)
+        dx, dw, db = _buffers(x, weight, bias, accum_dtype, need) if in_forward else (None, None, None)
+        for a in range(0, n, rows):
+            b = min(a + rows, n)
+            z = ch.logits(a, b)
+            loss_c, lse_c = ch.loss_and_grad(z, a, b, grad_scale=base if in_forward else None)
+            loss_rows[a:b] = loss_c
+            lse[a:b] = lse_c
+            if in_forward:
+                ch.accumulate(z, a, b, dx, dw, db)
+        del ch
+        ctx.o, ctx.backend, ctx.rows, ctx.accum_dtype = o, backend, rows, accum_dtype
+        ctx.in_forward, ctx.need, ctx.hidden_shape = in_forward, need, hidden.shape
+        if in_forward:
+            ctx.grads = (dx, dw, db)
+            ctx.weight_dtype = weight.dtype
+            ctx.bias_dtype = None if bias is None else bias.dtype
+        elif any(need):
+            ctx.save_for_backward(x, weight, bias, t, lse)
+        return reduce_loss(loss_rows, o, n_valid, target.shape, hidden.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        if ctx.in_forward:
+            if ctx.grads is None:
+                raise RuntimeError(
+                    "linear_cross_entropy with reduction='mean'/'sum' can be differentiated once: its gradients "
+                    "were computed in forward and have been handed out"
+                )
+            dx, dw, db = ctx.grads
+            ctx.grads = None
+            for g in (dx, dw, db):
+                if g is not None:
+                    g.mul_(grad_out)
+            if dw is not None and dw.dtype != ctx.weight_dtype:
+                dw = dw.to(ctx.weight_dtype)
+            if db is not None and db.dtype != ctx.bias_dtype:
+                db = db.to(ctx.bias_dtype)
+        else:
+            x, weight, bias, t, lse = ctx.saved_tensors
+            o, rows = ctx.o, ctx.rows
+            scale = _scale_for_backward(grad_out, None, o.reduction)
+            ch = _Chunker(x, weight, bias, t, o, ctx.backend, rows, ctx.accum_dtype)
+            dx, dw, db = _buffers(x, weight, bias, ctx.accum_dtype, ctx.need)
+            for a in range(0, x.shape[0], rows):
+                b = min(a + rows, x.shape[0])
+                z = ch.logits(a, b)
+                ch.loss_and_grad(z, a, b, grad_scale=scale, lse=lse[a:b])
+                ch.accumulate(z, a, b, dx, dw, db)
+            del ch
+            dw, db = _finish(dw, db, weight, bias)
+        if dx is not None:
+            dx = dx.view(ctx.hidden_shape)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _check_inputs(hidden, weight, bias, target, accum_dtype) -> None:
+    check_logits_target(hidden, target, "hidden")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D (V, H) tensor, got {getattr(weight, 'shape', type(weight))}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} must be (V, H) with H = hidden.shape[-1] = {hidden.shape[-1]}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype} (or use autocast)")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {getattr(bias, 'shape', type(bias))}")
+        if bias.dtype != weight.dtype or bias.device != weight.device:
+            raise TypeError(f"bias must match weight's dtype and device, got {bias.dtype} on {bias.device}")
+    if accum_dtype not in _ACCUM_DTYPES:
+        raise TypeError(f"accum_dtype must be one of {_ACCUM_DTYPES}, got {accum_dtype!r}")
+
+
+@_disable_compile
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    chunk_size: int | str = "auto",
+    accum_dtype: torch.dtype = torch.float32,
+    validate: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T + bias`` against ``target`` without materializing the logits.
+
+    Args:
+        hidden: ``(..., H)`` activations entering the LM head.
+        weight: ``(V, H)`` head weight (``nn.Linear(H, V).weight``).
+        target: ``(...)`` class indices aligned with ``hidden`` (nothing is shifted here).
+        bias: optional ``(V,)`` head bias.
+        ignore_index, label_smoothing, z_loss, softcap, reduction, validate, backend: as in
+            :func:`~lightning_memkit.ops.cross_entropy`.
+        chunk_size: tokens per chunk, or ``"auto"``: as many tokens as fit a quarter of the bytes of
+            ``dW + dx`` in fp32 logits, at least 1 MiB and at most 16 MiB on CPU (64 MiB on CUDA),
+            halved on the PyTorch path when ``softcap`` needs a second buffer.
+        accum_dtype: dtype in which ``dW`` and ``db`` accumulate across chunks (fp32 by default;
+            cast to the weight's dtype at the end).
+
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype first, like ``F.linear``.
+    With ``reduction="mean"``/``"sum"`` the graph can be differentiated once (gradients are built in
+    forward); ``reduction="none"`` recomputes in backward and supports ``retain_graph``.
+
+    Example::
+
+        >>> import torch
+        >>> hidden = torch.randn(10, 16, requires_grad=True)
+        >>> weight = torch.randn(300, 16, requires_grad=True)
+        >>> target = torch.randint(0, 300, (10,))
+        >>> loss = linear_cross_entropy(hidden, weight, target, z_loss=1e-4, chunk_size=4)
+        >>> loss.backward()
+    """
+    o = CrossEntropyOptions(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    check_chunk_size(chunk_size)
+    dev_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
+    if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(dev_type):
+        dt = torch.get_autocast_dtype(dev_type)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
+    _check_inputs(hidden, weight, bias, target, accum_dtype)
+    impl = check_backend(backend, hidden.device)
+    n_classes = weight.shape[0]
+    if validate:
+        check_target(target, n_classes, ignore_index)
+    n_rows = target.numel()
+    buffers = 2 if (impl == "torch" and softcap is not None) else 1
+    # "auto": a chunk of logits never costs more than a quarter of the gradients dW + dx it produces
+    grad_bytes = (weight.numel() + n_rows * hidden.shape[-1]) * hidden.element_size()
+    rows = auto_rows(chunk_size, n_rows, n_classes, hidden.device, buffers=buffers, budget=grad_bytes // 4)
+    with torch.autocast(dev_type, enabled=False):
+        return _LinearCrossEntropyFunction.apply(
+            hidden, weight, bias, target, o, impl, rows, accum_dtype, torch.is_grad_enabled()
+        )

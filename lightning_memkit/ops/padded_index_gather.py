@@ -1,0 +1,142 @@
+"""Row gather for token dispatch that keeps nothing of its input and feeds the allocator few block sizes.
+
+``padded_index_gather(input, index)`` returns ``input[index]`` (rows along dim 0) as an ordinary
+contiguous tensor of ``len(index)`` rows whose storage is rounded up to a multiple of
+``pad_to_multiple`` rows. Downstream code sees the exact shape; the caching allocator sees only
+``ceil(len(index) / pad_to_multiple)`` distinct request sizes, so the blocks freed by one microbatch
+(whose routed-token count differs from the next) are reused by the next instead of being split or
+left cached beside new ones. The padding rows are never read or written.
+
+The autograd Function saves only ``index`` (never ``input``: ``torch.gather`` saves its whole input);
+backward scatter-adds the gradient (``index_add_`` on CUDA, ``scatter_add_`` elsewhere, where it is
+much faster), which sums the rows of repeated indices (a token sent to several experts). On CUDA the
+forward copy is a Triton kernel (:mod:`lightning_memkit.ops.triton.gather`), elsewhere
+``torch.index_select``. The result is not a view,
+so :func:`~lightning_memkit.memory.release_storage` can free it (padding included) once consumed.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_memkit.ops import padded_index_gather
+    >>> x = torch.arange(12.0).view(4, 3).requires_grad_()
+    >>> y = padded_index_gather(x, torch.tensor([3, 0, 3]), pad_to_multiple=8)
+    >>> y.shape, y.untyped_storage().nbytes() // (3 * 4)     # 3 rows seen, 8 rows allocated
+    (torch.Size([3, 3]), 8)
+    >>> y.sum().backward(); x.grad[:, 0].tolist()
+    [1.0, 0.0, 0.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = ["padded_index_gather", "padded_rows", "BACKENDS"]
+
+BACKENDS = ("auto", "torch", "triton")
+_KERNELS: list = []
+
+
+def _triton_gather():
+    if not _KERNELS:
+        try:
+            from lightning_memkit.ops.triton.gather import gather_rows
+        except ImportError:
+            gather_rows = None
+        _KERNELS.append(gather_rows)
+    return _KERNELS[0]
+
+
+def padded_rows(n: int, pad_to_multiple: int) -> int:
+    """Rows allocated for ``n`` gathered rows: ``n`` rounded up to a multiple of ``pad_to_multiple``."""
+    return -(-n // pad_to_multiple) * pad_to_multiple
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"padded_index_gather(backend={backend!r}) is not allowed; allowed: {BACKENDS}")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton":
+        if device.type != "cuda" and not interpret:
+            raise ValueError(f"padded_index_gather(backend='triton') needs CUDA tensors (got {device}) or "
+                             "TRITON_INTERPRET=1; use backend='auto' or 'torch'")
+        if _triton_gather() is None:
+            raise ValueError("padded_index_gather(backend='triton') needs the triton package, which cannot be imported")
+        return "triton"
+    if backend == "auto" and device.type == "cuda" and _triton_gather() is not None:
+        return "triton"
+    return "torch"
+
+
+class _PaddedIndexGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, index: torch.Tensor, multiple: int, backend: str) -> torch.Tensor:
+        n = index.numel()
+        rest = tuple(input.shape[1:])
+        buf = input.new_empty((padded_rows(n, multiple), *rest))
+        out = input.new_empty(0).set_(buf.untyped_storage(), 0, (n, *rest))  # not a view: owns the storage
+        del buf
+        if backend == "triton":
+            flat = input.reshape(input.shape[0], -1)
+            if flat.numel() and flat.stride(-1) != 1:
+                flat = flat.contiguous()
+            _triton_gather()(flat, index, out.view(n, flat.shape[1]))
+        else:
+            torch.index_select(input, 0, index, out=out)
+        ctx.save_for_backward(index)
+        ctx.input_shape = input.shape
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        grad_input = grad.new_zeros(ctx.input_shape)
+        if grad.is_cuda:
+            grad_input.index_add_(0, index, grad)
+        else:  # on CPU index_add_ loops over rows; scatter_add_ is one vectorised pass
+            flat = grad.reshape(grad.shape[0], -1)
+            grad_input.view(grad_input.shape[0], -1).scatter_add_(0, index.long()[:, None].expand_as(flat), flat)
+        return grad_input, None, None, None
+
+
+def padded_index_gather(
+    input: torch.Tensor, index: torch.Tensor, pad_to_multiple: int = 1024, *, backend: str = "auto"
+) -> torch.Tensor:
+    """``input[index]`` along dim 0, in a storage rounded up to ``pad_to_multiple`` rows; keeps only ``index``.
+
+    Args:
+        input: ``(N, *rest)`` tensor (tokens).
+        index: 1-D int32/int64 tensor of row numbers in ``[0, N)`` on ``input``'s device; repeats allowed.
+        pad_to_multiple: the allocation is ``ceil(len(index) / pad_to_multiple) * pad_to_multiple`` rows.
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"`` (CUDA, or CPU
+            under ``TRITON_INTERPRET=1``).
+
+    Returns:
+        A contiguous ``(len(index), *rest)`` tensor (not a view) whose storage holds the padded rows.
+    """
+    if not isinstance(input, torch.Tensor) or not isinstance(index, torch.Tensor):
+        raise TypeError(f"padded_index_gather(input, index) takes tensors, got {type(input).__name__} and "
+                        f"{type(index).__name__}")
+    if isinstance(pad_to_multiple, bool) or not isinstance(pad_to_multiple, int) or pad_to_multiple < 1:
+        raise ValueError(f"padded_index_gather(pad_to_multiple={pad_to_multiple!r}) must be an int >= 1")
+    if input.dim() < 1:
+        raise ValueError(f"padded_index_gather(input=...) needs at least one dimension, got shape {tuple(input.shape)}")
+    if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"padded_index_gather(index=...) must be a 1-D int32/int64 tensor, got shape "
+                         f"{tuple(index.shape)} and dtype {index.dtype}")
+    if index.device != input.device:
+        raise ValueError(f"padded_index_gather(index=...) is on {index.device}, input on {input.device}; "
+                         "they must share a device")
+    resolved = _resolve_backend(backend, input.device)
+    n_rows = input.shape[0]
+    if index.numel():
+        if index.device.type == "cuda":
+            torch._assert_async(((index >= 0) & (index < n_rows)).all())
+        else:
+            lo, hi = int(index.min()), int(index.max())
+            if lo < 0 or hi >= n_rows:
+                raise ValueError(f"padded_index_gather(index=...) holds {lo if lo < 0 else hi}, outside [0, {n_rows})")
+    return _PaddedIndexGather.apply(input, index, pad_to_multiple, resolved)

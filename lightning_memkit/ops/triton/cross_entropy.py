@@ -1,0 +1,200 @@
+"""Triton kernel for cross-entropy over rows of logits: one program per row, online softmax over
+vocabulary blocks, fp32 math whatever the logits dtype.
+
+Imported lazily (only on CUDA, or on CPU under ``TRITON_INTERPRET=1``) by
+:mod:`lightning_memkit.ops.cross_entropy` and :mod:`lightning_memkit.ops.linear_cross_entropy`.
+The kernel computes per row the loss and the log-sum-exp, and optionally the gradient of the loss
+with respect to the raw logits times a per-row factor; the gradient may be written over the logits
+themselves (each block is read before it is written). The true-class term ``p_t - (1 - eps)`` is
+formed in fp32 before the single rounding to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ce_rows", "MAX_BLOCK"]
+
+MAX_BLOCK = 16384  # widest vocabulary block; larger vocabularies loop over blocks
+
+
+@triton.jit
+def _tanh(x):
+    # libdevice.tanh is not available under TRITON_INTERPRET, so tanh is built from exp:
+    # an odd polynomial near 0 (no cancellation), (1 - e) / (1 + e) with e = exp(-2|x|) elsewhere.
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * -0.05396825396825397)))
+    r = tl.where(a < 0.0625, small, big)
+    return tl.where(x < 0.0, -r, r)
+
+
+@triton.jit
+def _ce_rows_kernel(
+    X,
+    stride_x,
+    G,
+    stride_g,
+    T,
+    LOSS,
+    LSE,
+    SCALE,
+    stride_scale,
+    n_cols,
+    ignore_index,
+    eps,
+    z_loss,
+    softcap,
+    HAS_LSE: tl.constexpr,
+    WRITE_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X += row * stride_x
+    t = tl.load(T + row).to(tl.int64)
+    valid = t != ignore_index
+    bad = valid & ((t < 0) | (t >= n_cols))
+    ok = valid & (t >= 0) & (t < n_cols)
+
+    if t == ignore_index:
+        # ignored token: loss 0, gradient 0, nothing else to read
+        if WRITE_LOSS:
+            tl.store(LOSS + row, 0.0)
+        if not HAS_LSE:
+            tl.store(LSE + row, 0.0)
+        if WRITE_GRAD:
+            G += row * stride_g
+            for start in range(0, n_cols, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                zero = tl.zeros([BLOCK], dtype=tl.float32)
+                tl.store(G + offs, zero.to(G.dtype.element_ty), mask=offs < n_cols)
+        return
+
+    if HAS_LSE:
+        lse = tl.load(LSE + row)
+    else:
+        m = float("-inf")
+        d = 0.0
+        zsum = 0.0
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n_cols
+            z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                z = softcap * _tanh(z / softcap)
+            if HAS_SMOOTHING:
+                zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            z = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(d)
+        tl.store(LSE + row, lse)
+        if WRITE_LOSS:
+            zt = tl.load(X + tl.where(ok, t, 0)).to(tl.float32)
+            if HAS_SOFTCAP:
+                zt = softcap * _tanh(zt / softcap)
+            loss = lse - (1.0 - eps) * zt
+            if HAS_SMOOTHING:
+                loss -= eps * zsum / n_cols
+            loss += z_loss * lse * lse
+            loss = tl.where(bad, float("nan"), loss)
+            tl.store(LOSS + row, loss)
+
+    if WRITE_GRAD:
+        G += row * stride_g
+        scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
+        scale = tl.where(bad, float("nan"), scale)
+        coef = 1.0 + 2.0 * z_loss * lse
+        smooth = eps / n_cols
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n_cols
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                th = _tanh(x / softcap)
+                z = softcap * th
+            else:
+                z = x
+            g = tl.exp(z - lse) * coef
+            if HAS_SMOOTHING:
+                g = g - smooth
+            g = tl.where(offs == t, g - (1.0 - eps), g)
+            if HAS_SOFTCAP:
+                g = g * (1.0 - th * th)
+            g = g * scale
+            tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
+
+
+def _launch_shape(n_cols: int) -> tuple[int, int]:
+    block = min(MAX_BLOCK, triton.next_power_of_2(max(1, n_cols)))
+    num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return block, num_warps
+
+
+def ce_rows(
+    x: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    loss: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    lse_known: bool = False,
+    grad: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the kernel over the rows of ``x`` (``(r, V)``, unit stride along V); returns ``lse``.
+
+    ``loss`` (fp32 ``(r,)``) receives per-row losses when given. ``lse`` (fp32 ``(r,)``) is read when
+    ``lse_known`` else written. ``grad`` (``(r, V)``, may be ``x`` itself) receives
+    ``dloss/dx * grad_scale`` when given; ``grad_scale`` is fp32 with 1 element or ``r`` elements.
+    """
+    n_rows, n_cols = x.shape
+    if x.stride(1) != 1 or (grad is not None and grad.stride(1) != 1):
+        raise ValueError("ce_rows needs unit stride along the vocabulary dimension")
+    if lse is None:
+        if lse_known:
+            raise ValueError("ce_rows: lse_known=True needs lse")
+        lse = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return lse
+    if grad is not None:
+        if grad_scale is None:
+            raise ValueError("ce_rows: a gradient needs grad_scale")
+        grad_scale = grad_scale.to(torch.float32).contiguous()
+        stride_scale = 0 if grad_scale.numel() == 1 else 1
+    block, num_warps = _launch_shape(n_cols)
+    _ce_rows_kernel[(n_rows,)](
+        x,
+        x.stride(0),
+        grad if grad is not None else x,
+        grad.stride(0) if grad is not None else 0,
+        target,
+        loss if loss is not None else lse,
+        lse,
+        grad_scale if grad is not None else lse,
+        stride_scale if grad is not None else 0,
+        n_cols,
+        ignore_index,
+        float(label_smoothing),
+        float(z_loss),
+        float(softcap) if softcap is not None else 1.0,
+        HAS_LSE=lse_known,
+        WRITE_LOSS=loss is not None,
+        WRITE_GRAD=grad is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    return lse

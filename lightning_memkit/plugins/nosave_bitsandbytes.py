@@ -1,0 +1,313 @@
+"""Quantize a model's Linear layers with bitsandbytes, keep only the packed weights for backward, add LoRA.
+
+``NoSaveBitsandbytesPrecision`` is Lightning's bitsandbytes precision plugin with three changes:
+
+- the converted layers run :func:`lightning_memkit.ops.nosave_matmul.nosave_linear`: forward keeps no
+  input and no dequantized weight for backward, only the packed weight and its quant state, all through
+  ``save_for_backward`` (visible to saved-tensor hooks and to ``SavedTensorProfiler``);
+- it works on CPU: the layers are quantized during ``convert_module`` on the device the weights are on
+  (Lightning's layers quantize only on CUDA, and ``Trainer`` refuses Lightning's plugin off CUDA);
+- the converted layers are frozen (weight and bias; Lightning's 4-bit conversion freezes the bias too,
+  its int8 one does not) and ``lora_rank > 0`` adds a trainable
+  :class:`~lightning_memkit.ops.lora.LoRAAdapter` to each of them (QLoRA).
+
+Example::
+
+    from lightning import Trainer
+    from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+
+    trainer = Trainer(accelerator="cpu", plugins=[NoSaveBitsandbytesPrecision("nf4", "bfloat16", lora_rank=8)])
+
+LightningCLI::
+
+    trainer:
+      plugins:
+        - class_path: lightning_memkit.plugins.NoSaveBitsandbytesPrecision
+          init_args: {mode: nf4, dtype: bfloat16, lora_rank: 8, ignore_modules: [head]}
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.precision import bitsandbytes as _fabric_bnb
+from lightning.pytorch.plugins.precision.precision import Precision
+from torch import nn
+
+from lightning_memkit.ops.lora import LoRAAdapter, check_lora_args
+from lightning_memkit.ops.nosave_matmul import nosave_linear
+
+__all__ = ["NoSaveBitsandbytesPrecision", "MODES"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("nf4", "nf4-dq", "fp4", "fp4-dq", "int8")
+_ALLOWED_DTYPES = {
+    **{m: (torch.bfloat16, torch.float16, torch.float32) for m in MODES if m != "int8"},
+    "int8": (torch.float16,),  # Lightning's rule for int8: the quantized path is fp16
+}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+# mode -> (our layer class, Lightning's layer class it extends)
+_LAYERS = {
+    "nf4": ("NoSaveNF4Linear", "_NF4Linear"),
+    "nf4-dq": ("NoSaveNF4DQLinear", "_NF4DQLinear"),
+    "fp4": ("NoSaveFP4Linear", "_FP4Linear"),
+    "fp4-dq": ("NoSaveFP4DQLinear", "_FP4DQLinear"),
+    "int8": ("NoSaveInt8Linear", "_Int8LinearInference"),
+}
+
+
+# -- layer classes ---------------------------------------------------------------------------------------
+def _quantize_device(layer: nn.Module, weight: torch.Tensor | None, device: Any) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for t in (layer.weight, weight):
+        if t is not None and t.device.type != "meta":
+            return t.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class _NoSaveLinearMixin:
+    """Forward through :func:`nosave_linear` (+ the LoRA update when the layer has one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nosave_linear(x, self)
+        lora = self._modules.get("lora")
+        return out if lora is None else out + lora(x)
+
+    def quantize_(self, weight: torch.Tensor | None = None, device: Any = None) -> None:
+        """Quantize in place on ``device`` (default: where the weight is; Lightning's default is CUDA)."""
+        super().quantize_(weight, _quantize_device(self, weight, device))
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.weight.dtype in (torch.uint8, torch.int8) or bool(getattr(self.weight, "bnb_quantized", False))
+
+    def freeze_base(self) -> None:
+        """Freeze the quantized weight and the bias (Lightning's 4-bit conversion already freezes the bias)."""
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def add_lora(self, rank: int, alpha: float = 16, dropout: float = 0.0) -> LoRAAdapter:
+        """Attach a trainable LoRA adapter (once) and freeze the layer's own parameters."""
+        if self._modules.get("lora") is None:
+            device = self.weight.device if self.weight.device.type != "meta" else torch.device("cpu")
+            self.lora = LoRAAdapter(self.in_features, self.out_features, rank, alpha, dropout, device=device)
+        self.freeze_base()
+        return self.lora
+
+
+class _NoSave4bitMixin(_NoSaveLinearMixin):
+    @staticmethod
+    def quantize(params4bit, weight: torch.Tensor, device: torch.device | None):
+        if device is None or device.type == "cuda":
+            return _fabric_bnb._Linear4bit.quantize(params4bit, weight, device)
+        # Lightning's steps, on any device (its version raises for everything but CUDA)
+        w = weight.contiguous().to(device=device, dtype=torch.half)
+        w_4bit, quant_state = _fabric_bnb._import_bitsandbytes().functional.quantize_4bit(
+            w,
+            blocksize=params4bit.blocksize,
+            compress_statistics=params4bit.compress_statistics,
+            quant_type=params4bit.quant_type,
+            quant_storage=params4bit.quant_storage,
+        )
+        return _fabric_bnb._replace_param(params4bit, w_4bit, quant_state)
+
+
+class _NoSaveInt8Mixin(_NoSaveLinearMixin):
+    @staticmethod
+    def quantize(int8params, weight: torch.Tensor, device: torch.device | None):
+        if device is None or device.type == "cuda":
+            return _fabric_bnb._Linear8bitLt.quantize(int8params, weight, device)
+        # Lightning's steps, on any device (its version raises for everything but CUDA)
+        b = weight.contiguous().to(device=device, dtype=torch.float16)
+        cb, scb, _ = _fabric_bnb._import_bitsandbytes().functional.int8_vectorwise_quant(b)
+        int8params.data = cb
+        int8params.CB, int8params.SCB = cb, scb
+        return int8params
+
+    def _apply(self, fn, recurse: bool = True):
+        # Module._apply assigns the moved tensor to ``weight.data``; the int8 row scales (SCB) that
+        # bitsandbytes keeps as a plain attribute would stay behind on the old device.
+        super()._apply(fn, recurse)
+        w = self.weight
+        if w.dtype == torch.int8:
+            if getattr(w, "SCB", None) is not None and w.SCB.device != w.device:
+                w.SCB = w.SCB.to(w.device)
+            if getattr(w, "CB", None) is not None:
+                w.CB = w.data
+        return self
+
+
+@functools.cache
+def _layer_classes() -> dict[str, type]:
+    """``mode -> layer class``; built once bitsandbytes is imported (Lightning builds its classes that way)."""
+    _fabric_bnb._import_bitsandbytes()
+    classes = {}
+    for mode, (name, parent_name) in _LAYERS.items():
+        parent = getattr(_fabric_bnb, parent_name)
+        mixin = _NoSaveInt8Mixin if mode == "int8" else _NoSave4bitMixin
+        doc = f"Lightning's ``{parent_name}`` ({mode}) whose forward keeps only the packed weight for backward."
+        classes[mode] = type(name, (mixin, parent), {"__module__": __name__, "__qualname__": name, "__doc__": doc})
+    globals().update({cls.__name__: cls for cls in classes.values()})
+    return classes
+
+
+def __getattr__(name: str) -> type:  # the layer classes resolve by name (pickling) once bitsandbytes is importable
+    for layer_name, _ in _LAYERS.values():
+        if name == layer_name:
+            return {cls.__name__: cls for cls in _layer_classes().values()}[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- argument checks -------------------------------------------------------------------------------------
+def _parse_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.strip().removeprefix("torch.")
+        value = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
+        if isinstance(value, torch.dtype):
+            return value
+        raise ValueError(
+            f"NoSaveBitsandbytesPrecision: dtype={dtype!r} is not a torch dtype name; allowed: 'bfloat16', "
+            "'float16', 'float32' (optionally prefixed with 'torch.') or a torch.dtype"
+        )
+    raise TypeError(
+        f"NoSaveBitsandbytesPrecision: dtype must be None, a str or a torch.dtype, got {type(dtype).__name__}"
+    )
+
+
+def _default_dtype(mode: str) -> torch.dtype:
+    if mode == "int8":
+        return torch.float16
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def _parse_ignore(ignore_modules: Any) -> set[str]:
+    if ignore_modules is None:
+        return set()
+    if isinstance(ignore_modules, str) or not isinstance(ignore_modules, Iterable):
+        raise TypeError(
+            f"NoSaveBitsandbytesPrecision: ignore_modules must be a set or list of module names, got "
+            f"{ignore_modules!r}"
+        )
+    names = set(ignore_modules)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise TypeError(f"NoSaveBitsandbytesPrecision: ignore_modules entries must be non-empty str, got {bad!r}")
+    return names
+
+
+def _linear_names(module: nn.Module) -> list[str]:
+    return [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+
+
+class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
+    """Lightning's ``BitsandbytesPrecision`` with no-save quantized matmuls, CPU support and optional QLoRA.
+
+    Args:
+        mode: ``"nf4"``, ``"nf4-dq"``, ``"fp4"``, ``"fp4-dq"`` (4-bit, ``-dq``: double-quantized absmax) or
+            ``"int8"`` (LLM.int8 row-wise weights).
+        dtype: compute dtype, a ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float16"``, ...).
+            4-bit modes: bfloat16, float16 or float32 (default bfloat16, float16 on a CUDA GPU without
+            bf16); ``int8``: float16 only (as in Lightning), and the product runs in the input's dtype.
+        ignore_modules: names (prefixes) of submodules whose Linear layers stay unquantized, e.g.
+            ``{"head"}``; every entry must match a Linear layer of the model at conversion.
+        lora_rank: rank of the LoRA adapters added to every converted layer; 0 (default) adds none.
+        lora_alpha: LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_rank``).
+        lora_dropout: dropout on the adapters' input.
+
+    Conversion (``convert_module``, called by the strategy in ``setup``) reuses Lightning's layer
+    replacement, then quantizes each converted layer on the device its weight is on and attaches the
+    adapters. It subclasses Lightning's plugin machinery (``lightning.fabric``'s ``BitsandbytesPrecision``
+    plus ``lightning.pytorch``'s ``Precision``, the same bases as ``lightning.pytorch``'s
+    ``BitsandbytesPrecision``) without being an instance of the latter: ``Trainer`` rejects that class on
+    anything but CUDA.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+        >>> plugin = NoSaveBitsandbytesPrecision("nf4", "float32", lora_rank=4)
+        >>> model = plugin.convert_module(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()))
+        >>> type(model[0]).__name__, model[0].weight.dtype, [n for n, p in model.named_parameters() if p.requires_grad]
+        ('NoSaveNF4Linear', torch.uint8, ['0.lora.A', '0.lora.B'])
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        dtype: str | torch.dtype | None = None,
+        ignore_modules: set[str] | list[str] | None = None,
+        lora_rank: int = 0,
+        lora_alpha: float = 16,
+        lora_dropout: float = 0.0,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(
+                f"NoSaveBitsandbytesPrecision: mode={mode!r} is not supported; allowed: {', '.join(map(repr, MODES))}"
+            )
+        parsed = _parse_dtype(dtype) or _default_dtype(mode)
+        if parsed not in _ALLOWED_DTYPES[mode]:
+            allowed = ", ".join(str(d) for d in _ALLOWED_DTYPES[mode])
+            raise ValueError(
+                f"NoSaveBitsandbytesPrecision: dtype={dtype!r} cannot run with mode={mode!r}; allowed: {allowed}"
+            )
+        ignore = _parse_ignore(ignore_modules)
+        check_lora_args(lora_rank, lora_alpha, lora_dropout, owner="NoSaveBitsandbytesPrecision")
+        super().__init__(mode=mode, dtype=parsed, ignore_modules=ignore)
+        self._linear_cls = _layer_classes()[mode]
+        self.mode = mode
+        self.lora_rank = lora_rank
+        self.lora_alpha = float(lora_alpha)
+        self.lora_dropout = float(lora_dropout)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Replace the Linear layers (Lightning's conversion), quantize them where they are, add LoRA adapters."""
+        bnb = _fabric_bnb._import_bitsandbytes()
+        ours = tuple(_layer_classes().values())
+        foreign = [n for n, m in module.named_modules()
+                   if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) and not isinstance(m, ours)]
+        if foreign:
+            raise ValueError(
+                "NoSaveBitsandbytesPrecision: the module already holds bitsandbytes layers that this plugin did not "
+                f"create ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); pass the unquantized model"
+            )
+        self._check_ignore_modules(module)
+        module = super().convert_module(module)
+        layers = [m for m in module.modules() if isinstance(m, ours)]
+        for layer in layers:
+            if not layer.is_quantized and layer.weight.device.type != "meta":
+                layer.quantize_(device=layer.weight.device)
+            layer.freeze_base()
+            if self.lora_rank > 0:
+                layer.add_lora(self.lora_rank, self.lora_alpha, self.lora_dropout)
+        log.debug("NoSaveBitsandbytesPrecision: %d Linear layers converted to %s", len(layers), self.mode)
+        return module
+
+    def _check_ignore_modules(self, module: nn.Module) -> None:
+        if not self.ignore_modules:
+            return
+        names = _linear_names(module)
+        unmatched = sorted(s for s in self.ignore_modules if not any(n.startswith(s) for n in names))
+        if unmatched:
+            shown = ", ".join(repr(n) for n in names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+            raise ValueError(
+                f"NoSaveBitsandbytesPrecision: ignore_modules entries {unmatched} match no Linear layer of "
+                f"{type(module).__name__} (they are name prefixes); Linear layers: {shown or 'none'}"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(mode={self.mode!r}, dtype={self.dtype}, "
+            f"ignore_modules={sorted(self.ignore_modules)}, lora_rank={self.lora_rank}, "
+            f"lora_alpha={self.lora_alpha:g}, lora_dropout={self.lora_dropout:g})"
+        )

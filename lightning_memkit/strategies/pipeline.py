@@ -1,0 +1,582 @@
+"""``strategy="memkit_pipeline"``: pipeline parallelism on ``torch.distributed.pipelining`` with memory-balanced stages.
+
+The LightningModule lists its layers in order and names its loss (the layer protocol)::
+
+    class MyLM(LightningModule):
+        def pipeline_layers(self) -> nn.ModuleList: ...          # embedding first, head last; one tensor in, one out
+        def pipeline_loss(self, output, target) -> Tensor: ...   # mean loss of one microbatch
+        def pipeline_inputs(self, batch) -> tuple[Any, Any]: ... # optional; default: batch is (inputs, target)
+
+At setup the strategy measures each layer's memory on one microbatch of the first training batch (rank 0,
+RNG untouched), splits the layers with :func:`~lightning_memkit.pipeline.partition_layers`, keeps this
+rank's stages (the other layers move to the ``meta`` device) and restricts every optimizer to this rank's
+parameters. ``training_step`` runs the whole microbatched forward and backward through the schedule and
+returns the mean loss (broadcast from the last stage, logged as ``train_loss``); Lightning's own
+backward is skipped (its ``on_before_backward``/``on_after_backward`` hooks still run). Validation and
+test run forward only and log ``val_loss``/``test_loss``. Checkpoints are directories with one shard per
+rank plus ``meta.json``; resuming restores the same split.
+
+The LightningModule's own ``training_step``/``validation_step`` are not called, and after ``fit`` each
+rank holds only its layers (:func:`load_pipeline_state_dict` merges a checkpoint's shards).
+
+Example::
+
+    from lightning.pytorch import Trainer
+    import lightning_memkit  # registers "memkit_pipeline"
+
+    trainer = Trainer(accelerator="cpu", devices=4, strategy="memkit_pipeline", max_steps=100)
+    # or: strategy=MemkitPipelineStrategy(schedule="dualpipev", microbatches=8)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_memkit.pipeline import (
+    SCHEDULES,
+    Partition,
+    evaluate_partition,
+    parameter_balanced_partition,
+    partition_layers,
+    resolve_stages_per_rank,
+    static_cost,
+    uniform_partition,
+)
+from lightning_memkit.pipeline.runtime import (
+    PipelineRuntime,
+    check_microbatches,
+    measure_pipeline_costs,
+    split_batch_size,
+)
+
+__all__ = ["MemkitPipelineStrategy", "load_pipeline_state_dict", "PROTOCOL"]
+
+PROTOCOL = ("pipeline_layers", "pipeline_loss")
+_METHODS = ("memory", "uniform", "parameters")
+_META = "meta.json"
+_FORMAT = "memkit_pipeline"
+
+
+def _shard_name(rank: int) -> str:
+    return f"rank_{rank:05d}.ckpt"
+
+
+class MemkitPipelineStrategy(ParallelStrategy):
+    """Pipeline-parallel training: one process per stage group, memory-balanced partition, sharded checkpoints.
+
+    Processes start and talk as with ``DDPStrategy`` (same launchers, process-group set-up and collectives,
+    borrowed from it below), but nothing is data-parallel: every rank reads the same batches through the
+    user's own sampler (``is_distributed`` is ``False``, so no ``DistributedSampler`` is injected).
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zbv"`` or ``"dualpipev"``.
+        microbatches: microbatches per batch (the batch size must be a multiple).
+        partition: ``"memory"`` (measured, balanced predicted peak), ``"uniform"`` (equal layer counts),
+            ``"parameters"`` (equal trainable bytes per stage) or a list of layers per stage.
+        stages_per_rank: for ``interleaved_1f1b`` (default 2); other schedules fix it.
+        max_bytes_per_rank: with ``partition="memory"``, fail at setup if the best split needs more.
+        fused_loss: the last layer is an ``nn.Linear`` LM head whose loss runs through
+            ``lightning_memkit.ops.linear_cross_entropy`` (no logits); ``pipeline_loss`` is then unused.
+        timeout: process-group timeout in seconds (or a ``timedelta``): a rank that stops answering makes
+            the others fail after this long instead of hanging.
+        process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
+        start_method: how Lightning starts the processes (``"popen"`` re-runs the script, ``"spawn"``...).
+
+    Example (YAML for LightningCLI)::
+
+        trainer:
+          devices: 2
+          strategy:
+            class_path: lightning_memkit.strategies.MemkitPipelineStrategy
+            init_args: {schedule: 1f1b, microbatches: 4}
+    """
+
+    strategy_name = "memkit_pipeline"
+
+    # process plumbing as in DDPStrategy: launcher, process-group init (gloo on CPU, nccl on CUDA), collectives
+    root_device = DDPStrategy.root_device
+    num_nodes = DDPStrategy.num_nodes
+    num_processes = DDPStrategy.num_processes
+    process_group_backend = DDPStrategy.process_group_backend
+    _configure_launcher = DDPStrategy._configure_launcher
+    setup_distributed = DDPStrategy.setup_distributed
+    _get_process_group_backend = DDPStrategy._get_process_group_backend
+    set_world_ranks = DDPStrategy.set_world_ranks
+    determine_ddp_device_ids = DDPStrategy.determine_ddp_device_ids
+    barrier = DDPStrategy.barrier
+    broadcast = DDPStrategy.broadcast
+    reduce = DDPStrategy.reduce
+
+    def __init__(
+        self,
+        schedule: str = "1f1b",
+        microbatches: int = 4,
+        partition: str | list[int] = "memory",
+        stages_per_rank: int | None = None,
+        max_bytes_per_rank: int | None = None,
+        fused_loss: bool = False,
+        timeout: float | timedelta | None = None,
+        process_group_backend: str | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not supported; allowed: {', '.join(map(repr, SCHEDULES))}")
+        schedule = schedule.lower()
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
+        if isinstance(partition, str):
+            if partition not in _METHODS:
+                raise ValueError(
+                    f"partition={partition!r} is not supported; allowed: {', '.join(map(repr, _METHODS))} or a "
+                    "list of layers per stage"
+                )
+        elif isinstance(partition, Sequence) and partition and all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in partition
+        ):
+            partition = list(partition)
+        else:
+            raise ValueError(
+                f"partition={partition!r} must be one of {', '.join(map(repr, _METHODS))} or a non-empty list of "
+                "ints >= 1 (layers per stage)"
+            )
+        v = resolve_stages_per_rank(schedule, stages_per_rank)
+        if v > 2 and partition == "memory":
+            raise ValueError(
+                f"stages_per_rank={v} with partition='memory' is not supported (the exact search handles 2); "
+                "pass partition='uniform', 'parameters' or explicit sizes"
+            )
+        if max_bytes_per_rank is not None and (
+            isinstance(max_bytes_per_rank, bool) or not isinstance(max_bytes_per_rank, int) or max_bytes_per_rank < 1
+        ):
+            raise ValueError(f"max_bytes_per_rank={max_bytes_per_rank!r} must be a positive int (bytes) or None")
+        if max_bytes_per_rank is not None and partition != "memory":
+            raise ValueError("max_bytes_per_rank needs partition='memory' (the only method that predicts peaks)")
+        if not isinstance(fused_loss, bool):
+            raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
+        if timeout is None:
+            timeout = default_pg_timeout
+        elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            if timeout <= 0:
+                raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+            timeout = timedelta(seconds=timeout)
+        elif not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be seconds (a number) or a timedelta, got {type(timeout).__name__}")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.partition_method = partition
+        self.stages_per_rank = v
+        self.max_bytes_per_rank = max_bytes_per_rank
+        self.fused_loss = fused_loss
+        self.partition: Partition | None = None
+        self._runtime: PipelineRuntime | None = None
+        self._restored: dict[str, Any] | None = None
+        self._loaded_keys: set[str] | None = None
+        self._pending: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="Pipeline parallelism with memory-balanced stages (lightning_memkit)",
+            )
+
+    @property
+    def runtime(self) -> PipelineRuntime | None:
+        """This rank's :class:`~lightning_memkit.pipeline.runtime.PipelineRuntime` once set up."""
+        return self._runtime
+
+    @property
+    def is_distributed(self) -> bool:
+        """``False``: the ranks split the model, not the data (Lightning then injects no distributed sampler)."""
+        return False
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every pipeline rank sees the same batch (the first stage reads the inputs, the last the target)
+        return {"num_replicas": 1, "rank": 0}
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    # -- model -----------------------------------------------------------------------------------------------
+    def connect(self, model: Any) -> None:
+        missing = [name for name in PROTOCOL if not callable(getattr(model, name, None))]
+        if self.fused_loss and "pipeline_loss" in missing:
+            missing.remove("pipeline_loss")
+        if missing:
+            raise TypeError(
+                f"strategy='memkit_pipeline' needs the LightningModule {type(model).__name__} to implement "
+                f"{', '.join(missing)}: pipeline_layers() -> nn.ModuleList of layers in order (one tensor in, one "
+                "out) and pipeline_loss(output, target) -> scalar loss of one microbatch"
+            )
+        super().connect(model)
+
+    def _layers(self) -> list[nn.Module]:
+        module = self.lightning_module
+        layers = module.pipeline_layers()
+        if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            raise TypeError(f"pipeline_layers() must return an nn.ModuleList, got {type(layers).__name__}")
+        layers = list(layers)
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"pipeline_layers()[{i}] must be an nn.Module, got {type(layer).__name__}")
+        covered = {id(p) for layer in layers for p in layer.parameters()}
+        orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in covered]
+        if orphans:
+            raise ValueError(
+                f"parameters outside pipeline_layers() would never train: {', '.join(orphans[:5])}"
+                + (" ..." if len(orphans) > 5 else "")
+                + "; include their modules in pipeline_layers() or freeze them"
+            )
+        return layers
+
+    def _inputs(self, batch: Any) -> tuple[Any, Any]:
+        module = self.lightning_module
+        if callable(getattr(module, "pipeline_inputs", None)):
+            pair = module.pipeline_inputs(batch)
+        else:
+            pair = batch
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(
+                "the batch must be an (inputs, target) pair, or the LightningModule must implement "
+                f"pipeline_inputs(batch) -> (inputs, target); got {type(pair).__name__}"
+            )
+        return pair[0], pair[1]
+
+    def model_to_device(self) -> None:
+        if self._runtime is not None:
+            for m in self._runtime.modules:
+                m.to(self.root_device)
+
+    # -- setup -----------------------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            raise NotImplementedError("strategy='memkit_pipeline' does not support predict; use validate or test")
+        if fitting:
+            self._check_training_config(trainer)
+        self.precision_plugin.convert_module(self.model)
+        layers = self._layers()
+        if fitting:
+            self.setup_optimizers(trainer)
+        partition = self._make_partition(trainer, layers)
+        self.partition = partition
+        loss = None if self.fused_loss else module.pipeline_loss
+        self._runtime = PipelineRuntime(
+            layers, partition, loss_fn=loss, device=self.root_device, fused_head=self.fused_loss
+        )
+        local = {id(p) for p in self._runtime.parameters()}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in local]
+        self._check_restored_keys()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if self.is_global_zero:
+            peaks = ", ".join(f"{b / 2**20:.2f}" for b in partition.predicted_peak_bytes)
+            rank_zero_info(
+                f"memkit_pipeline: {partition.schedule}, {partition.num_stages} stages of {list(partition.sizes)} "
+                f"layers ({partition.method}); predicted peak per rank [MiB]: {peaks}"
+            )
+
+    def _check_training_config(self, trainer: Any) -> None:
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(
+                "strategy='memkit_pipeline' runs forward and backward itself: use automatic optimization "
+                "(LightningModule.automatic_optimization = True)"
+            )
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in ("value",):
+            raise ValueError(
+                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} clips by the global norm, which each "
+                "pipeline rank cannot see; use gradient_clip_algorithm='value' or no clipping"
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("strategy='memkit_pipeline' does not support a gradient scaler (precision='16-mixed'); "
+                             "use 'bf16-mixed', 'bf16-true' or '32-true'")
+
+    def _make_partition(self, trainer: Any, layers: list[nn.Module]) -> Partition:
+        world = self.world_size
+        num_stages = world * self.stages_per_rank
+        check_microbatches(self.schedule, num_stages, self.microbatches, world)
+        kwargs = dict(schedule=self.schedule, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank)
+        optimizer = list(self.optimizers) or None
+        if self._restored is not None:
+            sizes = self._restored["sizes"]
+            return evaluate_partition([static_cost(m, optimizer) for m in layers], sizes, **kwargs)
+        method = self.partition_method
+        if isinstance(method, list):
+            if len(method) != num_stages:
+                raise ValueError(
+                    f"partition={method} lists {len(method)} stages, but {world} ranks x {self.stages_per_rank} "
+                    f"stage(s) per rank = {num_stages}"
+                )
+            return evaluate_partition([static_cost(m, optimizer) for m in layers], method, **kwargs)
+        if method != "memory":
+            fn = uniform_partition if method == "uniform" else parameter_balanced_partition
+            return fn([static_cost(m, optimizer) for m in layers], num_stages, **kwargs)
+        result: Any = None
+        if self.is_global_zero:
+            try:
+                result = self._memory_partition(trainer, layers, num_stages, optimizer, kwargs)
+            except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+                result = err
+        result = self.broadcast(result, src=0)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _memory_partition(self, trainer, layers, num_stages, optimizer, kwargs) -> Partition:
+        inputs, target = self._inputs(self._sample_batch(trainer))
+        first = next(t for t in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)) if torch.is_tensor(t))
+        mb = split_batch_size(first.shape[0], self.microbatches)
+        inputs = move_data_to_device(_slice(inputs, mb), self.root_device)
+        target = move_data_to_device(_slice(target, mb), self.root_device)
+        module = self.lightning_module
+        with torch.random.fork_rng(devices=_rng_devices(self.root_device)):
+            costs = measure_pipeline_costs(
+                layers, inputs, target, loss_fn=None if self.fused_loss else module.pipeline_loss,
+                optimizer=optimizer, fused_head=self.fused_loss, device=self.root_device,
+            )
+        return partition_layers(costs, num_stages, max_bytes_per_rank=self.max_bytes_per_rank, **kwargs)
+
+    def _sample_batch(self, trainer: Any) -> Any:
+        loops = {
+            TrainerFn.FITTING: trainer.fit_loop,
+            TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop,
+        }
+        source = getattr(loops.get(trainer.state.fn), "_data_source", None)
+        hint = "or pass partition='uniform', 'parameters' or explicit sizes to MemkitPipelineStrategy"
+        if source is None or not source.is_defined():
+            raise ValueError(f"partition='memory' measures one batch of the dataloader, but none is attached; {hint}")
+        with torch.random.fork_rng(devices=_rng_devices(self.root_device)):  # keep the training RNG untouched
+            loaders = source.dataloader()
+            if isinstance(loaders, Mapping):
+                loaders = next(iter(loaders.values()))
+            elif isinstance(loaders, (list, tuple)):
+                loaders = loaders[0]
+            try:
+                return next(iter(loaders))
+            except StopIteration:
+                raise ValueError(f"partition='memory' needs one batch, but the dataloader is empty; {hint}") from None
+
+    # -- steps -----------------------------------------------------------------------------------------------
+    def _runtime_or_raise(self) -> PipelineRuntime:
+        if self._runtime is None:
+            raise RuntimeError("MemkitPipelineStrategy is not set up: run it through a Trainer")
+        return self._runtime
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run the schedule (forward and backward of every microbatch) and return the mean loss.
+
+        Lightning's closure zeroes the gradients *after* ``training_step`` at the first batch of each
+        accumulation window; the gradients computed here are set aside until :meth:`backward` so that they
+        survive it (and stale ones are dropped before the schedule runs, which saves their memory).
+        """
+        runtime = self._runtime_or_raise()
+        batch = args[0] if args else kwargs["batch"]
+        inputs, target = self._inputs(batch)
+        trainer = self.lightning_module.trainer
+        params = list(runtime.parameters())
+        window_start = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        if window_start:
+            for p in params:
+                p.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = runtime.train_step(inputs, target, grad_accumulation=trainer.accumulate_grad_batches)
+        if window_start:
+            self._pending = [(p, p.grad) for p in params]
+            for p in params:
+                p.grad = None
+        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule already ran backward in ``training_step``: put its gradients back, run the hooks around it."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        pending, self._pending = self._pending, []
+        for p, g in pending:
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _eval(self, name: str, context: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        runtime = self._runtime_or_raise()
+        batch = args[0] if args else kwargs["batch"]
+        inputs, target = self._inputs(batch)
+        with context:
+            loss = runtime.eval_step(inputs, target)
+        self.lightning_module.log(name, loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._eval("val_loss", self.precision_plugin.val_step_context(), args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._eval("test_loss", self.precision_plugin.test_step_context(), args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("strategy='memkit_pipeline' does not support predict; use validate or test")
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's share: every entry of the LightningModule's state dict that is not on ``meta``."""
+        state = self.lightning_module.state_dict()
+        return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.device.type == "meta")}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write ``filepath/`` with one shard per rank (``rank_00000.ckpt``, ...) and ``meta.json``."""
+        path = Path(filepath)
+        if path.is_file():
+            raise ValueError(f"{path} is a file; a memkit_pipeline checkpoint is a directory of per-rank shards")
+        self.checkpoint_io.save_checkpoint(checkpoint, path / _shard_name(self.global_rank), storage_options)
+        if self.is_global_zero and self.partition is not None:
+            meta = {
+                "format": _FORMAT,
+                "version": 1,
+                "world_size": self.world_size,
+                "schedule": self.partition.schedule,
+                "microbatches": self.partition.microbatches,
+                "stages_per_rank": self.partition.stages_per_rank,
+                "sizes": list(self.partition.sizes),
+            }
+            (path / _META).write_text(json.dumps(meta, indent=2) + "\n")
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        meta = _read_meta(path)
+        if meta["world_size"] != self.world_size:
+            raise ValueError(
+                f"{path} was saved by {meta['world_size']} pipeline ranks; this run has {self.world_size}. Merge the "
+                "shards with load_pipeline_state_dict() to load them elsewhere"
+            )
+        if meta["schedule"] != self.schedule or meta["stages_per_rank"] != self.stages_per_rank:
+            raise ValueError(
+                f"{path} holds stages for schedule={meta['schedule']!r} ({meta['stages_per_rank']} per rank); this "
+                f"strategy uses schedule={self.schedule!r} ({self.stages_per_rank} per rank)"
+            )
+        self._restored = meta
+        checkpoint = self.checkpoint_io.load_checkpoint(path / _shard_name(self.global_rank), weights_only=weights_only)
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        result = self.lightning_module.load_state_dict(state, strict=False)
+        if result.unexpected_keys:
+            raise KeyError(f"checkpoint shard holds keys the model does not have: {result.unexpected_keys[:5]}")
+        self._loaded_keys = set(state)
+
+    def _check_restored_keys(self) -> None:
+        if self._loaded_keys is None:
+            return
+        missing = sorted(set(self.lightning_module_state_dict()) - self._loaded_keys)
+        self._loaded_keys = None
+        if missing:
+            raise KeyError(f"the checkpoint shard of rank {self.global_rank} lacks this rank's entries: {missing[:5]}")
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                self.checkpoint_io.remove_checkpoint(filepath)
+
+    # -- teardown --------------------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """As Lightning's, except that only this rank's layers move to CPU (the rest live on ``meta``)."""
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self._runtime is not None:
+            for m in self._runtime.modules:
+                m.cpu()
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+
+
+def _slice(x: Any, n: int) -> Any:
+    if torch.is_tensor(x):
+        return x[:n]
+    if isinstance(x, (tuple, list)):
+        return type(x)(_slice(t, n) for t in x)
+    return x
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_file = path / _META
+    if not meta_file.is_file():
+        raise ValueError(f"{path} is not a memkit_pipeline checkpoint (no {_META} with per-rank shards)")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"{meta_file} is not a memkit_pipeline checkpoint description")
+    return meta
+
+
+def load_pipeline_state_dict(path: _PATH) -> dict[str, torch.Tensor]:
+    """Merge the per-rank shards of a memkit_pipeline checkpoint into one full ``state_dict`` (on CPU).
+
+    Example::
+
+        model = MyLM()
+        model.load_state_dict(load_pipeline_state_dict("checkpoints/epoch=0-step=100.ckpt"))
+    """
+    path = Path(path)
+    meta = _read_meta(path)
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(meta["world_size"]):
+        shard = torch.load(path / _shard_name(rank), map_location="cpu", weights_only=False)
+        merged.update(shard["state_dict"])
+    return merged

@@ -1,0 +1,142 @@
+"""partition_layers is the exact minimax split (checked against brute force); baselines; errors."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lightning_memkit.pipeline.partition as partition_module
+from lightning_memkit.pipeline import (
+    LayerCost,
+    evaluate_partition,
+    inflight_microbatches,
+    parameter_balanced_partition,
+    partition_layers,
+    stage_to_rank,
+    uniform_partition,
+)
+
+SPR = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
+
+
+def _compositions(n: int, k: int):
+    for cut in itertools.combinations(range(1, n), k - 1):
+        yield [b - a for a, b in zip((0, *cut), (*cut, n))]
+
+
+def _brute_force(costs, num_stages, **kw) -> int:
+    return min(evaluate_partition(costs, sizes, **kw).max_peak_bytes for sizes in _compositions(len(costs), num_stages))
+
+
+layer_costs = st.builds(
+    LayerCost,
+    param_bytes=st.integers(0, 60),
+    grad_bytes=st.integers(0, 60),
+    optimizer_bytes=st.integers(0, 120),
+    activation_bytes=st.integers(0, 40),
+    output_bytes=st.integers(0, 20),
+    workspace_bytes=st.integers(0, 50),
+    saves_input=st.booleans(),
+    saves_output=st.booleans(),
+)
+
+
+@st.composite
+def problems(draw):
+    schedule = draw(st.sampled_from(sorted(SPR)))
+    v = SPR[schedule]
+    ranks = draw(st.integers(1, 3))
+    costs = draw(st.lists(st.one_of(layer_costs, st.integers(0, 100)), min_size=ranks * v, max_size=9))
+    microbatches = draw(st.integers(1, 6))
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, microbatches // ranks)
+        microbatches -= microbatches % rounds
+    return costs, ranks * v, schedule, microbatches
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_partition_is_the_brute_force_optimum(problem):
+    costs, num_stages, schedule, microbatches = problem
+    kw = {"schedule": schedule, "microbatches": microbatches}
+    part = partition_layers(costs, num_stages, **kw)
+    assert part.max_peak_bytes == _brute_force(costs, num_stages, **kw)
+    assert sum(part.sizes) == len(costs) and min(part.sizes) >= 1
+    again = evaluate_partition(costs, part.sizes, **kw)  # the reported peaks are those of the returned split
+    assert again.predicted_peak_bytes == part.predicted_peak_bytes
+    assert again.stage_ranks == stage_to_rank(schedule, num_stages)
+
+
+def test_rank_peak_is_the_sum_over_its_stages():
+    costs = [LayerCost(param_bytes=10 * (i + 1), activation_bytes=i + 1) for i in range(8)]
+    part = evaluate_partition(costs, [1, 2, 3, 2], schedule="dualpipev", microbatches=4)
+    inflight = inflight_microbatches("dualpipev", 4, 4)
+    stage = [
+        sum(c.static_bytes for c in costs[a:b]) + n * sum(c.activation_bytes for c in costs[a:b])
+        for (a, b), n in zip(zip(part.boundaries, part.boundaries[1:]), inflight)
+    ]
+    assert part.stage_peak_bytes == tuple(stage)
+    assert part.predicted_peak_bytes == (stage[0] + stage[3], stage[1] + stage[2])
+    assert part.stages_of_rank(0) == (0, 3) and list(part.layers_of_stage(2)) == [3, 4, 5]
+
+
+def test_stage_cost_counts_receive_buffers_and_kept_outputs():
+    """Boundary terms: M input buffers on a non-first stage, M gradient buffers on a non-last one."""
+    costs = [LayerCost(output_bytes=100, saves_output=True), LayerCost(output_bytes=10), LayerCost(output_bytes=1)]
+    gpipe = evaluate_partition(costs, [1, 2], schedule="gpipe", microbatches=3)
+    # stage 0: 3 in flight x own output 100, + 3 gradient buffers of 100
+    # stage 1: 3 input buffers of 100, + 3 in flight x (layer-1 output kept? no: nobody saves it) + own output 1
+    assert gpipe.stage_peak_bytes == (3 * 100 + 3 * 100, 3 * 100 + 3 * 1)
+
+
+def test_memory_partition_beats_the_baselines_on_a_heavy_embedding_and_head():
+    big = LayerCost(param_bytes=4000, grad_bytes=4000, optimizer_bytes=8000, activation_bytes=100, output_bytes=50)
+    block = LayerCost(param_bytes=500, grad_bytes=500, optimizer_bytes=1000, activation_bytes=1500, output_bytes=50,
+                      saves_input=True)
+    costs = [big, *[block] * 10, big]
+    kw = {"schedule": "1f1b", "microbatches": 8}
+    best = partition_layers(costs, 4, **kw)
+    uniform = uniform_partition(costs, 4, **kw)
+    params = parameter_balanced_partition(costs, 4, **kw)
+    assert uniform.sizes == (3, 3, 3, 3)
+    assert best.max_peak_bytes < min(uniform.max_peak_bytes, params.max_peak_bytes)
+    assert (best.method, uniform.method, params.method) == ("memory", "uniform", "parameters")
+    weights = [c.grad_bytes for c in costs]
+    best_param_split = min(
+        max(sum(weights[a:b]) for a, b in zip(itertools.accumulate([0, *s[:-1]]), itertools.accumulate(s)))
+        for s in _compositions(len(costs), 4)
+    )
+    stage_params = [sum(weights[i] for i in params.layers_of_stage(s)) for s in range(4)]
+    assert max(stage_params) == best_param_split
+
+
+def test_cap_reports_the_best_achievable_peak():
+    costs = [LayerCost(param_bytes=100, activation_bytes=10)] * 6
+    best = partition_layers(costs, 3, schedule="1f1b", microbatches=3)
+    assert partition_layers(costs, 3, schedule="1f1b", microbatches=3, max_bytes_per_rank=best.max_peak_bytes) == best
+    needs = rf"cannot be met: the best achievable split .* still needs {best.max_peak_bytes} bytes"
+    with pytest.raises(ValueError, match=needs):
+        partition_layers(costs, 3, schedule="1f1b", microbatches=3, max_bytes_per_rank=best.max_peak_bytes - 1)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="num_stages=5 exceeds the 4 layers: every stage needs at least one layer"):
+        partition_layers([1, 2, 3, 4], 5)
+    with pytest.raises(ValueError, match=r"sizes=\[2, 1\] add up to 3 layers, but there are 4"):
+        evaluate_partition([1, 2, 3, 4], [2, 1])
+    with pytest.raises(ValueError, match=r"sizes\[1\]=0 must be an int >= 1"):
+        evaluate_partition([1, 2, 3, 4], [4, 0])
+    with pytest.raises(ValueError, match="max_bytes_per_rank=0 must be a positive int"):
+        partition_layers([1, 2], 2, max_bytes_per_rank=0)
+    with pytest.raises(ValueError, match="supports 2 stages per rank"):
+        partition_layers([1] * 9, 9, schedule="interleaved_1f1b", stages_per_rank=3, microbatches=3)
+    with pytest.raises(TypeError, match="costs must be a sequence"):
+        partition_layers(5, 1)
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(partition_module, raise_on_error=False).failed == 0

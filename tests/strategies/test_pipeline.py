@@ -1,0 +1,130 @@
+"""MemkitPipelineStrategy: construction checks, registry, the layer protocol, LightningCLI, and a 2-process fit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_memkit
+from lightning_memkit.strategies import MemkitPipelineStrategy
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_pipeline_strategy_worker.py")
+
+
+def test_registered_by_importing_the_package_and_twice_is_harmless():
+    assert "memkit_pipeline" in StrategyRegistry
+    lightning_memkit._register_pipeline_strategy()  # what a second import runs
+    strategy = StrategyRegistry.get("memkit_pipeline")
+    assert isinstance(strategy, MemkitPipelineStrategy)
+    assert (strategy.schedule, strategy.microbatches, strategy.partition_method) == ("1f1b", 4, "memory")
+
+
+def test_trainer_resolves_the_name_without_splitting_the_data():
+    trainer = pl.Trainer(strategy="memkit_pipeline", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, MemkitPipelineStrategy)
+    assert trainer.strategy.num_processes == 2 and trainer.strategy.root_device == torch.device("cpu")
+    assert not trainer._accelerator_connector.is_distributed  # no DistributedSampler: every rank reads every batch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"schedule": "pipedream"}, ValueError, "schedule='pipedream' is not supported"),
+        ({"microbatches": 0}, ValueError, "microbatches=0 must be an int >= 1"),
+        ({"partition": "greedy"}, ValueError, "partition='greedy' is not supported"),
+        ({"partition": [2, 0]}, ValueError, "must be one of"),
+        ({"schedule": "zbv", "stages_per_rank": 3}, ValueError, "stages_per_rank=3 does not fit schedule='zbv'"),
+        ({"schedule": "interleaved_1f1b", "stages_per_rank": 3}, ValueError, "partition='memory' is not supported"),
+        ({"partition": "uniform", "max_bytes_per_rank": 10}, ValueError, "max_bytes_per_rank needs partition='memory'"),
+        ({"fused_loss": 1}, TypeError, "fused_loss must be a bool"),
+        ({"timeout": -1}, ValueError, "timeout=-1 must be > 0 seconds"),
+        ({"timeout": "soon"}, TypeError, "timeout must be seconds"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MemkitPipelineStrategy(**kwargs)
+
+
+def test_timeout_reaches_the_process_group_settings():
+    assert MemkitPipelineStrategy(timeout=7)._timeout == timedelta(seconds=7)
+    assert MemkitPipelineStrategy(partition=[1, 2, 3]).partition_method == [1, 2, 3]
+
+
+def test_module_without_the_layer_protocol_is_refused():
+    class Plain(pl.LightningModule):
+        pass
+
+    with pytest.raises(TypeError, match="needs the LightningModule Plain to implement pipeline_layers, pipeline_loss"):
+        MemkitPipelineStrategy().connect(Plain())
+
+    class OnlyLayers(pl.LightningModule):
+        def pipeline_layers(self):
+            return torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+    MemkitPipelineStrategy(fused_loss=True).connect(OnlyLayers())  # a fused loss needs no pipeline_loss
+    with pytest.raises(TypeError, match="to implement pipeline_loss"):
+        MemkitPipelineStrategy().connect(OnlyLayers())
+
+
+def test_example_config_builds_the_strategy_through_lightning_cli(tmp_path):
+    from lightning_memkit.cli import MemkitCLI
+
+    config = ROOT / "examples" / "configs" / "tiny_lm_pipeline.yaml"
+    cli = MemkitCLI(args=["--config", str(config), "--trainer.default_root_dir", str(tmp_path)], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, MemkitPipelineStrategy)
+    assert (strategy.schedule, strategy.microbatches, strategy._timeout) == ("1f1b", 4, timedelta(seconds=300))
+    assert callable(cli.model.pipeline_layers) and len(cli.model.pipeline_layers()) == cli.model.hparams.n_layers + 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
+    """TinyLM on 2 ranks: the same losses as plain training, identical losses after resume, clear errors."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    t0 = time.monotonic()
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, 150 - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the 2-process fit did not finish in time (hang)")
+        assert p.returncode == 0, out[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    ref = r0.pop("reference")
+    assert {k: r0[k] for k in r1} == r1  # both ranks log the same (broadcast) values
+    full, resumed = r0["full"], r0["resumed"]
+    assert len(full["train"]) == 6 and len(full["val"]) == 2
+    assert full["train"] == pytest.approx(ref["train"], rel=1e-5)  # loss of every step vs one process
+    assert full["val"] == pytest.approx(ref["val"], rel=1e-5)
+    assert resumed["train"] == full["train"][3:]  # bit-identical continuation from the epoch-0 checkpoint
+    assert resumed["val"] == full["val"][1:]
+    assert r0["state_keys_match"] and r0["state_equal"]  # merged shards cover the model; both runs end equal
+    errors = r0["errors"]
+    assert errors["protocol"].startswith("TypeError: strategy='memkit_pipeline' needs the LightningModule")
+    assert errors["stages"].startswith("ValueError: num_stages=2 exceeds the 1 layers")
+    assert errors["batch"].startswith("ValueError: a batch of 6 samples does not split into microbatches=4")
