@@ -2,14 +2,15 @@
 
 Three ways to run a frozen bitsandbytes layer, on the same packed weights:
 
-- ``dequantize-then-linear``: ``F.linear(x, dequantize(W))`` (what bitsandbytes did up to 0.49);
+- ``dequantize-then-linear``: ``F.linear(x, dequantize(W))`` with plain autograd (keeps the copy);
 - ``bitsandbytes``: its own ``Linear4bit`` / ``Linear8bitLt`` (0.50) modules;
 - ``memkit``: :func:`lightning_memkit.ops.nosave_matmul.nosave_linear`.
 
-Part 1 measures, per layer, the bytes of new storage still alive after forward (the output and the
-input excluded: the input is created, used and dropped as an activation would be), and the bytes that
-``saved_tensors_hooks`` see. Part 2 runs forward + backward of an 8-layer QLoRA MLP (``GELU(base(h) +
-lora(h))``, rank 16, alpha 32, dropout 0.05) and reports the peak and the time relative to bitsandbytes.
+Part 1 measures, per layer, the bytes of new storage still alive after forward, output excluded (the
+input is created before the layer and dropped after it, as an activation would be, so it counts only
+when the layer keeps it), and the bytes that ``saved_tensors_hooks`` see. Part 2 runs forward +
+backward of an 8-layer QLoRA MLP (``GELU(base(h) + lora(h))``, rank 16, alpha 32, dropout 0.05) and
+reports the peak and the time relative to bitsandbytes.
 
     python -m benchmarks.run --only nosave_bnb [--quick] [--device cuda]
 """
@@ -120,7 +121,7 @@ def stack_step(impl: str, layers: list, loras: list, x: torch.Tensor) -> None:
 
 
 def qlora_stack(device: str, quick: bool) -> list[dict]:
-    tokens, width, depth, rank = (256, 256, 8, 16) if quick else (512, 1024, 8, 16)
+    tokens, width, depth, rank = (256, 256, 8, 16) if quick else (512, 512, 8, 16)
     repeat = 1 if quick else 3
     entries = []
     for mode in STACK_MODES:

@@ -19,7 +19,6 @@ def demo_args(tmp_path):
             "--trainer.logger.init_args.save_dir", str(tmp_path), *TINY]
 
 
-
 def test_demo_config_prints_the_memory_report(tmp_path, capsys):
     main(args=demo_args(tmp_path))
     out = capsys.readouterr().out
@@ -61,5 +60,13 @@ def test_torch_num_threads_applies_to_the_run_only(tmp_path, monkeypatch):
 
 
 def test_bad_model_argument_is_reported():
-    with pytest.raises(ValueError, match=r"loss='fused'\) is not supported; allowed: 'standard'"):
-        main(args=["fit", "--config", str(CONFIG), "--model.loss", "fused", "--trainer.logger", "false"])
+    with pytest.raises(ValueError, match=r"loss='chunked'\) is not supported; allowed: 'standard', 'fused'"):
+        main(args=["fit", "--config", str(CONFIG), "--model.loss", "chunked", "--trainer.logger", "false"])
+
+
+def test_fused_loss_from_the_config(tmp_path, capsys):
+    main(args=[*demo_args(tmp_path), "--model.loss", "fused"])
+    report = capsys.readouterr().out
+    report = report[report.index("memkit memory report"):]
+    assert "train loss: first" in report and "over 3 steps" in report
+    assert "max step peak" in report

@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_memkit.ops import lm_head_loss
+
 __all__ = ["TinyLM", "Block", "LOSSES"]
 
-LOSSES = ("standard",)
+LOSSES = ("standard", "fused")
 VOCAB = 256  # bytes
 
 
@@ -77,7 +79,8 @@ class TinyLM(pl.LightningModule):
         seq_len: longest sequence (size of the position table).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
-        loss: how the loss is computed; only ``"standard"`` (logits then ``F.cross_entropy``) for now.
+        loss: ``"standard"`` (logits, then ``F.cross_entropy``) or ``"fused"`` (head and loss in one
+            chunked op, :func:`lightning_memkit.ops.lm_head_loss`: full-vocabulary logits never exist).
 
     Example::
 
@@ -124,18 +127,21 @@ class TinyLM(pl.LightningModule):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``(batch, time, 256)`` for int tokens ``(batch, time)``."""
+    def forward(self, tokens: torch.Tensor, hidden: bool = False) -> torch.Tensor:
+        """Logits ``(batch, time, 256)`` for int tokens ``(batch, time)``; ``hidden=True`` stops before the head."""
         t = tokens.shape[1]
         if t > self.seq_len:
             raise ValueError(f"sequence length {t} exceeds TinyLM(seq_len={self.seq_len})")
         x = self.tok_emb(tokens) + self.pos_emb(torch.arange(t, device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        h = self.norm(x)
+        return h if hidden else self.head(h)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
+        if self.hparams.loss == "fused":
+            return lm_head_loss(self(x, hidden=True), self.head, y)
         logits = self(x)
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 

@@ -123,7 +123,7 @@ class WarmupDecision:
     cap_bytes: int | None = None
 
 
-_ALLOC_UNIT = 512
+_ALLOC_UNIT = 2 * 2**20
 
 
 def warmup_cap_bytes(device: torch.device | str | int | None = None, margin_bytes: int = DEFAULT_MARGIN) -> int | None:
@@ -150,7 +150,7 @@ def warmup_cap_bytes(device: torch.device | str | int | None = None, margin_byte
         if allocatable is None:
             return None
     cap = max(0, allocatable - margin_bytes)
-    if dev.type in ("cuda", "xpu"):  # the caching allocator rounds blocks up to 512 bytes: stay below the cap
+    if dev.type in ("cuda", "xpu"):  # the caching allocator hands out large blocks in 2 MiB units: stay below the cap
         cap = cap // _ALLOC_UNIT * _ALLOC_UNIT
     return cap
 

@@ -258,6 +258,9 @@ class PipelineRuntime:
                 modules.append(_FusedTail(nn.Sequential(*body[:-1]), body[-1]))
             else:
                 modules.append(nn.Sequential(*body))
+        self._fused = fused_head_loss(head) if fused_head and self.holds_last else None
+        from torch.distributed.pipelining import PipelineStage
+
         local = set(self.layer_indices)
         if release_remote:
             for i, layer in enumerate(layers):
@@ -266,10 +269,6 @@ class PipelineRuntime:
         for m in modules:
             m.to(self.device)
         self.modules = modules
-        self._fused = fused_head_loss(modules[-1].head) if fused_head and self.holds_last else None
-
-        from torch.distributed.pipelining import PipelineStage
-
         self.stages = [
             PipelineStage(m, stage_index=s, num_stages=partition.num_stages, device=self.device, group=self.group)
             for m, s in zip(modules, self.stage_indices)

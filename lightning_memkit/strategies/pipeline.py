@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -341,6 +342,14 @@ class MemkitPipelineStrategy(ParallelStrategy):
         check_microbatches(self.schedule, num_stages, self.microbatches, world)
         kwargs = dict(schedule=self.schedule, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank)
         optimizer = list(self.optimizers) or None
+        previous = self.partition
+        if previous is not None and previous.num_stages == num_stages and previous.boundaries[-1] == len(layers):
+            return previous  # fit, then validate/test with the same trainer: the layers are already split
+        if any(p.device.type == "meta" for layer in layers for p in layer.parameters()):
+            raise ValueError(
+                "some of the model's layers live on the meta device (a previous pipeline run kept only its own "
+                "stages); load the weights again, e.g. from load_pipeline_state_dict(checkpoint), before a new run"
+            )
         if self._restored is not None:
             sizes = self._restored["sizes"]
             return evaluate_partition([static_cost(m, optimizer) for m in layers], sizes, **kwargs)
@@ -360,7 +369,7 @@ class MemkitPipelineStrategy(ParallelStrategy):
             try:
                 result = self._memory_partition(trainer, layers, num_stages, optimizer, kwargs)
             except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-                result = err
+                result = err if _picklable(err) else RuntimeError(f"{type(err).__name__}: {err}")
         result = self.broadcast(result, src=0)
         if isinstance(result, Exception):
             raise result
@@ -541,6 +550,14 @@ class MemkitPipelineStrategy(ParallelStrategy):
         self.checkpoint_io.teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - any failure means "send something simpler"
+        return False
+    return True
 
 
 def _slice(x: Any, n: int) -> Any:

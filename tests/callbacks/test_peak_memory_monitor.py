@@ -20,7 +20,6 @@ from lightning_memkit.memory import live_peak as live_peak_module
 N = 4096  # bytes the step of AllocatingModule allocates per batch index
 
 
-
 class CaptureLogger(Logger):
     def __init__(self):
         super().__init__()

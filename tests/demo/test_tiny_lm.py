@@ -8,7 +8,6 @@ from lightning_memkit.demo import ByteTextDataModule, TinyLM
 from lightning_memkit.demo.byte_text import FALLBACK_TEXT, load_corpus
 
 
-
 def test_shapes_and_layer_names():
     model = TinyLM(d_model=32, n_layers=3, n_heads=4, seq_len=16)
     logits = model(torch.randint(0, 256, (2, 10)))
@@ -51,7 +50,7 @@ def test_loss_decreases_on_real_bytes():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"loss": "fused"}, ValueError, r"TinyLM\(loss='fused'\) is not supported; allowed: 'standard'"),
+        ({"loss": "chunked"}, ValueError, r"TinyLM\(loss='chunked'\) is not supported; allowed: 'standard', 'fused'"),
         ({"d_model": 30, "n_heads": 4}, ValueError, r"n_heads=4\) must divide d_model=30"),
         ({"n_layers": 0}, ValueError, r"n_layers=0\) must be a positive int"),
         ({"seq_len": 8.0}, TypeError, "seq_len"),
@@ -144,3 +143,29 @@ def test_corpus_too_short_for_seq_len(tmp_path):
         ByteTextDataModule(seq_len=64, path=str(f)).setup("fit")
     with pytest.raises(ValueError, match="neither a file nor a folder"):
         ByteTextDataModule(path=str(tmp_path / "missing")).setup("fit")
+
+
+def test_fused_loss_matches_standard_loss_and_gradients():
+    import torch
+
+    from lightning_memkit.demo import TinyLM
+    from lightning_memkit.memory import LivePeak
+
+    torch.manual_seed(0)
+    std = TinyLM(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+    fused = TinyLM(d_model=32, n_layers=2, n_heads=2, seq_len=16, loss="fused")
+    fused.load_state_dict(std.state_dict())
+    x = torch.randint(0, 256, (4, 16))
+    y = torch.randint(0, 256, (4, 16))
+    losses = []
+    for model in (std, fused):
+        with LivePeak() as lp:
+            loss = model._loss((x, y))
+        losses.append(loss)
+        loss.backward()
+        # the standard path keeps (4*16, 256) fp32 logits alive for backward; the fused one never makes them
+        if model is fused:
+            assert not any(n == 4 * 16 * 256 * 4 for _, n, _, _ in lp.live_storages())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(std.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

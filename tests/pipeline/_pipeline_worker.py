@@ -35,15 +35,15 @@ def _costs(layers, x, y, microbatches, optimizer="sgd"):
     return measure_layer_costs(layers, x[:mb], loss_fn=lm_loss, target=y[:mb], optimizer=optimizer)
 
 
-def _check(schedule: str, world: int, fused: bool = False) -> dict:
+def _check(schedule: str, world: int, fused: bool = False, device: str = "cpu") -> dict:
     """Two SGD steps and an eval through the pipeline against the same model in this process."""
     stages = world * (1 if schedule in ("gpipe", "1f1b") else 2)
     m = 2 * stages if world <= 2 else stages
-    layers = toy_layers(blocks=2 * stages, plain_head=fused)
+    layers = toy_layers(blocks=2 * stages, plain_head=fused).to(device)
     ref = copy.deepcopy(layers)
-    x, y = toy_batch(2 * m, 8)
+    x, y = (t.to(device) for t in toy_batch(2 * m, 8))
     part = partition_layers(_costs(layers, x, y, m), stages, schedule=schedule, microbatches=m)
-    runtime = PipelineRuntime(layers, part, loss_fn=None if fused else lm_loss, fused_head=fused)
+    runtime = PipelineRuntime(layers, part, loss_fn=None if fused else lm_loss, fused_head=fused, device=device)
     opt = torch.optim.SGD(runtime.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     losses, ref_losses = [], []
@@ -77,16 +77,17 @@ def correctness(rank: int, world: int) -> dict:
     return result
 
 
-def peak(rank: int, world: int, schedule: str = "1f1b") -> dict:
+def peak(rank: int, world: int, schedule: str = "1f1b", device: str = "cpu") -> dict:
     """Measured per-rank LivePeak of a steady-state step against the partition's prediction."""
     m = 8
     stages = world * (1 if schedule in ("gpipe", "1f1b") else 2)
-    x, y = toy_batch(2 * m, 32, vocab=256)
-    layers = toy_layers(vocab=256, dim=32, blocks=6)
+    x, y = (t.to(device) for t in toy_batch(2 * m, 32, vocab=256))
+    layers = toy_layers(vocab=256, dim=32, blocks=6).to(device)
     part = partition_layers(_costs(layers, x, y, m, optimizer="adamw"), stages, schedule=schedule, microbatches=m)
+    del layers
     with LivePeak() as lp:
         layers = toy_layers(vocab=256, dim=32, blocks=6)  # parameters created inside: counted
-        runtime = PipelineRuntime(layers, part, loss_fn=lm_loss)
+        runtime = PipelineRuntime(layers, part, loss_fn=lm_loss, device=device)
         opt = torch.optim.AdamW(runtime.parameters(), lr=1e-3, foreach=False)
         lp.reset_peak()  # drop the moment every rank still held the whole model
         for step in range(3):
@@ -95,7 +96,12 @@ def peak(rank: int, world: int, schedule: str = "1f1b") -> dict:
             opt.zero_grad(set_to_none=True)
             if step == 0:
                 lp.reset_peak()  # the first step also infers shapes: measure the steady state
-    return {"predicted": part.predicted_peak_bytes[rank], "measured": lp.peak_bytes, "sizes": list(part.sizes)}
+    return {
+        "predicted": part.predicted_peak_bytes[rank],
+        "measured": lp.peak_bytes,
+        "cuda_peak_delta": lp.cuda_peak_delta,  # allocator view (CUDA only), for the record
+        "sizes": list(part.sizes),
+    }
 
 
 class _Stall(torch.nn.Module):
@@ -130,10 +136,16 @@ def failure(rank: int, world: int) -> dict:
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     timeout = float(os.environ.get("PG_TIMEOUT", "60"))
-    dist.init_process_group("gloo", timeout=dt.timedelta(seconds=timeout))
+    dist.init_process_group("nccl" if scenario == "cuda" else "gloo", timeout=dt.timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    if scenario == "correctness":
+    if scenario == "cuda":  # one rank per GPU: the CUDA code paths (nccl, device tensors, fused head on GPU)
+        result = {
+            "1f1b": _check("1f1b", world, device="cuda"),
+            "gpipe_fused": _check("gpipe", world, fused=True, device="cuda"),
+            "peak": peak(rank, world, "1f1b", device="cuda"),
+        }
+    elif scenario == "correctness":
         result = correctness(rank, world)
         result["peaks"] = {s: peak(rank, world, s) for s in ("gpipe", "interleaved_1f1b", "zbv", "dualpipev")}
     elif scenario == "peak":

@@ -19,6 +19,7 @@ from lightning_memkit.pipeline.runtime import check_microbatches, cross_stage_sh
 
 WORKER = Path(__file__).with_name("_pipeline_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
+PYPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what is installed
 
 
 def _free_port() -> int:
@@ -45,7 +46,7 @@ def launch(
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PG_TIMEOUT=str(pg_timeout), PYTHONPATH=str(ROOT))
+                   MASTER_PORT=str(port), PG_TIMEOUT=str(pg_timeout), PYTHONPATH=PYPATH)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(tmp_path)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     t0 = time.monotonic()
@@ -141,3 +142,14 @@ def test_tied_weights_across_ranks_are_reported():
     together = evaluate_partition([1, 1, 1], [3], schedule="gpipe")
     assert cross_stage_shared(layers, together) == []
     assert torch.equal(emb.weight, head.weight)
+
+
+@pytest.mark.cuda
+def test_cuda_single_rank_matches_and_predicts(tmp_path):
+    """One rank per GPU over nccl: exact loss and gradients (also with the fused head), prediction within 15%."""
+    results = launch("cuda", 1, tmp_path)
+    assert results[0][0] == 0, results[0][1][-4000:]
+    report = _json(tmp_path, 0)
+    for name in ("1f1b", "gpipe_fused"):
+        assert report[name]["losses"] == pytest.approx(report[name]["ref"], rel=1e-4)
+    assert _within_15_percent(report["peak"]), report["peak"]

@@ -116,7 +116,8 @@ def main() -> None:
     first = trainer(out, [record, ckpt])
     first.fit(model(), train, val)
     result["partition"] = list(first.strategy.partition.sizes)
-    result["full"] = {"train": record.train, "val": record.val}
+    result["full"] = {"train": list(record.train), "val": list(record.val)}
+    result["validate"] = first.validate(dataloaders=val, verbose=False)[0]["val_loss"]  # same trainer, after fit
     resumed = Record()
     ckpt_b = ModelCheckpoint(dirpath=out / "ckpt_resumed", save_top_k=-1, every_n_epochs=1)
     second = trainer(out, [resumed, ckpt_b])

@@ -20,6 +20,7 @@ import lightning_memkit
 from lightning_memkit.strategies import MemkitPipelineStrategy
 
 ROOT = Path(__file__).resolve().parents[2]
+PYPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what is installed
 WORKER = Path(__file__).with_name("_pipeline_strategy_worker.py")
 
 
@@ -102,7 +103,7 @@ def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
     procs = []
     for rank in range(2):
         env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+                   MASTER_PORT=str(port), PYTHONPATH=PYPATH)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     t0 = time.monotonic()
@@ -123,8 +124,26 @@ def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
     assert full["val"] == pytest.approx(ref["val"], rel=1e-5)
     assert resumed["train"] == full["train"][3:]  # bit-identical continuation from the epoch-0 checkpoint
     assert resumed["val"] == full["val"][1:]
+    assert r0["validate"] == pytest.approx(full["val"][-1], rel=1e-6)  # trainer.validate after fit: same weights
     assert r0["state_keys_match"] and r0["state_equal"]  # merged shards cover the model; both runs end equal
     errors = r0["errors"]
     assert errors["protocol"].startswith("TypeError: strategy='memkit_pipeline' needs the LightningModule")
     assert errors["stages"].startswith("ValueError: num_stages=2 exceeds the 1 layers")
     assert errors["batch"].startswith("ValueError: a batch of 6 samples does not split into microbatches=4")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", ["false", "true"])
+def test_cuda_fit_through_the_cli(tmp_path, fused):
+    """``memkit fit`` with the example config on one GPU (nccl), with and without the fused loss."""
+    config = ROOT / "examples" / "configs" / "tiny_lm_pipeline.yaml"
+    cmd = [
+        sys.executable, "-m", "lightning_memkit.cli", "fit", "--config", str(config),
+        "--trainer.accelerator", "gpu", "--trainer.devices", "1", "--trainer.max_steps", "6",
+        "--trainer.val_check_interval", "3", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy.init_args.fused_loss", fused,
+    ]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=PYPATH))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "memkit_pipeline: 1f1b, 1 stages" in done.stdout + done.stderr
