@@ -95,6 +95,10 @@ def _linear_case(device: str, quick: bool) -> dict:
         impls["liger FusedLinearCrossEntropy"] = lambda: liger(x, w, t)
     if cuda:
         impls["memkit linear_cross_entropy(chunk_size=1024)"] = lambda: linear_cross_entropy(x, w, t, chunk_size=1024)
+        if dtype != torch.float32:  # Liger accumulates dW in the weight's dtype: the like-for-like memory row
+            impls[f"memkit linear_cross_entropy(accum_dtype={str(dtype).removeprefix('torch.')})"] = (
+                lambda: linear_cross_entropy(x, w, t, accum_dtype=dtype)
+            )
         rounds = dict.fromkeys(impls, 5)
     elif quick:
         rounds = dict.fromkeys(impls, 3)

@@ -36,7 +36,7 @@ REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "torch", "triton")
 # "auto" chunk: the most bytes of fp32 logits per chunk, per device type (taller chunks run faster
 # GEMMs); linear_cross_entropy further limits a chunk to a quarter of the gradients it produces.
-AUTO_CHUNK_BYTES = {"cpu": 16 * 2**20, "cuda": 64 * 2**20}
+AUTO_CHUNK_BYTES = {"cpu": 16 * 2**20, "cuda": 512 * 2**20}  # GPUs need large matmuls to be efficient
 _DEFAULT_CHUNK_BYTES = 16 * 2**20
 MIN_AUTO_CHUNK_BYTES = 2**20
 

@@ -265,7 +265,7 @@ def linear_cross_entropy(
         ignore_index, label_smoothing, z_loss, softcap, reduction, validate, backend: as in
             :func:`~lightning_memkit.ops.cross_entropy`.
         chunk_size: tokens per chunk, or ``"auto"``: as many tokens as fit a quarter of the bytes of
-            ``dW + dx`` in fp32 logits, at least 1 MiB and at most 16 MiB on CPU (64 MiB on CUDA),
+            ``dW + dx`` in fp32 logits, at least 1 MiB and at most 16 MiB on CPU (512 MiB on CUDA),
             halved on the PyTorch path when ``softcap`` needs a second buffer.
         accum_dtype: dtype in which ``dW`` and ``db`` accumulate across chunks (fp32 by default;
             cast to the weight's dtype at the end).
