@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LivePeak", "DeviceBytes", "storage_key", "iter_tensors", "note_storage_resized"]
+__all__ = ["LivePeak", "DeviceBytes", "storage_key", "storage_of", "iter_tensors", "note_storage_resized"]
 
 _ACTIVE: list[LivePeak] = []  # trackers currently inside their block, innermost last
 
@@ -79,12 +79,27 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = set()
-        for t in iter_tensors((args, kwargs)):
+        for t in _op_tensors(args):
+            if _has_storage(t):
+                inputs.add(storage_key(t))
+        for t in _op_tensors(kwargs.values()):
             if _has_storage(t):
                 inputs.add(storage_key(t))
         out = func(*args, **kwargs)
         self.tracker._observe(out, inputs)
         return out
+
+
+def _op_tensors(items) -> Iterable[torch.Tensor]:
+    """Tensors among an ATen op's arguments or results (tensors, or lists and tuples of them).
+
+    A hand-written walk: ``tree_flatten`` costs more than the rest of the per-op bookkeeping.
+    """
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            yield from _op_tensors(x)
 
 
 def _leave_mode(mode: TorchDispatchMode | None, exc: tuple) -> None:
@@ -108,14 +123,18 @@ def _leave_mode(mode: TorchDispatchMode | None, exc: tuple) -> None:
             TorchDispatchMode.__enter__(top)
 
 
-def _has_storage(t: torch.Tensor) -> bool:
-    if t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
-        return False
+def storage_of(t: Any) -> torch.UntypedStorage | None:
+    """``t``'s untyped storage, or ``None`` for non-tensors and tensors that own no memory (meta, sparse)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
+        return None
     try:
-        t.untyped_storage()
+        return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
-        return False
-    return True
+        return None
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    return storage_of(t) is not None
 
 
 class LivePeak:
@@ -193,7 +212,7 @@ class LivePeak:
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _observe(self, out: Any, inputs: set[int]) -> None:
-        for t in iter_tensors(out):
+        for t in _op_tensors(out if isinstance(out, (list, tuple)) else (out,)):
             if not _has_storage(t):
                 continue
             key = storage_key(t)

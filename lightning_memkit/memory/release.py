@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from lightning_memkit.memory.live_peak import storage_key
+from lightning_memkit.memory.live_peak import storage_key, storage_of
 
 __all__ = [
     "release_optimizer_state",
@@ -54,13 +54,6 @@ _NO_HOLDER = "(no Python holder)"
 
 
 # -- optimizer state --------------------------------------------------------------------------------
-def _storage_of(t: Any) -> torch.UntypedStorage | None:
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def _state_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
@@ -77,7 +70,7 @@ def _state_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
 def _storage_refs(obj: Any, skip: set[int]) -> dict[int, tuple[weakref.ref, int]]:
     refs: dict[int, tuple[weakref.ref, int]] = {}
     for t in _state_tensors(obj):
-        s = _storage_of(t)
+        s = storage_of(t)
         if s is not None and s._cdata not in skip and s._cdata not in refs:
             refs[s._cdata] = (weakref.ref(s), s.nbytes())
     return refs
@@ -107,7 +100,7 @@ def release_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
     state = optimizer.state
     if not isinstance(state, dict):
         raise TypeError(f"optimizer.state must be a dict, got {type(state).__name__}")
-    params = {storage_key(p) for g in optimizer.param_groups for p in g["params"] if _storage_of(p) is not None}
+    params = {storage_key(p) for g in optimizer.param_groups for p in g["params"] if storage_of(p) is not None}
     refs = _storage_refs(list(state.values()), params)
     state.clear()
     return sum(n for ref, n in refs.values() if ref() is None)
@@ -432,7 +425,7 @@ def tensors_with_storages(keys: Iterable[int]) -> list[torch.Tensor]:
     out = []
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor):
-            s = _storage_of(obj)
+            s = storage_of(obj)
             if s is not None and s._cdata in wanted:
                 out.append(obj)
     return out
@@ -486,7 +479,7 @@ def find_referrers(
     ignore_ids = {id(o) for o in ignore} | {id(obj_or_tensors), id(targets)}
     sized: list[tuple[int, int | None, Any]] = []
     for t in targets:
-        s = _storage_of(t) if isinstance(t, torch.Tensor) else None
+        s = storage_of(t) if isinstance(t, torch.Tensor) else None
         if isinstance(t, torch.Tensor):
             if s is None or s.nbytes() < min_bytes:
                 continue
@@ -517,7 +510,7 @@ def _object_bytes(obj: Any) -> int:
     if isinstance(obj, torch.nn.Module):
         seen, total = set(), 0
         for t in [*obj.parameters(), *obj.buffers()]:
-            s = _storage_of(t)
+            s = storage_of(t)
             if s is not None and s._cdata not in seen:
                 seen.add(s._cdata)
                 total += s.nbytes()

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit.memory.live_peak import LivePeak, iter_tensors, storage_key
+from lightning_memkit.memory.live_peak import LivePeak, iter_tensors, storage_key, storage_of
 
 __all__ = ["SavedTensorRecorder", "SavedTensorReport", "SavedTensorRow", "SavedStorage", "profile_saved_tensors"]
 
@@ -233,13 +233,6 @@ def format_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def _tensors_of(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
@@ -256,7 +249,7 @@ def weight_storage_keys(module: nn.Module) -> set[int]:
     keys = set()
     for t in [*module.parameters(), *module.buffers()]:
         for tensor in [t, *(x for a in _QUANT_ATTRS for x in _tensors_of(getattr(t, a, None)))]:
-            if _storage(tensor) is not None:
+            if storage_of(tensor) is not None:
                 keys.add(storage_key(tensor))
     return keys
 
@@ -419,7 +412,7 @@ class SavedTensorRecorder:
         return post
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = _storage(t)
+        storage = storage_of(t)
         if storage is None:
             return t
         key = storage._cdata
@@ -450,7 +443,7 @@ class SavedTensorRecorder:
         self.stop()
         if self._snapshot is None:
             raise RuntimeError("nothing to report: the recorded block raised before the forward finished")
-        out_keys = {storage_key(t) for t in iter_tensors(output) if _storage(t) is not None}
+        out_keys = {storage_key(t) for t in iter_tensors(output) if storage_of(t) is not None}
         storages: list[SavedStorage] = []
         counts = Counter(self._saver_counts)
         for key, s in zip(self._snapshot_keys, self._snapshot):
