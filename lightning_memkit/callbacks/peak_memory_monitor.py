@@ -100,6 +100,7 @@ class PeakMemoryMonitor(Callback):
         self._max_allocated = MaxMetric()
         for m in (self._max, self._mean, self._max_allocated):
             m.set_dtype(torch.float64)  # byte counts stay exact up to 2**53
+        self._pending = _no_pending()
         self._tracker: LivePeak | None = None
         self._cuda_start: int | None = None
         self._batches = 0
@@ -117,6 +118,7 @@ class PeakMemoryMonitor(Callback):
             m.reset()
             m.to(metric_device)
             m.set_dtype(torch.float64)  # after .to(), which does not keep it
+        self._pending = _no_pending()
         self.summary = {}
         self.last_step_peak = self.last_step_peak_allocated = None
         self._batches = self._measured = 0
@@ -222,11 +224,13 @@ class PeakMemoryMonitor(Callback):
     # -- internals ---------------------------------------------------------------------------------
     def _record(self, trainer: Trainer, step_peak: int, allocated: int | None) -> None:
         self.last_step_peak, self.last_step_peak_allocated = step_peak, allocated
-        value = torch.tensor(float(step_peak), dtype=torch.float64, device=self._max.device)
-        self._max.update(value)
-        self._mean.update(value)
+        # Plain Python per step (no device tensors, no kernel launches); folded into the metrics by _compute.
+        p = self._pending
+        p["max"] = max(p["max"], step_peak)
+        p["sum"] += step_peak
+        p["count"] += 1
         if allocated is not None:
-            self._max_allocated.update(torch.tensor(float(allocated), dtype=torch.float64, device=value.device))
+            p["max_allocated"] = max(p["max_allocated"], allocated)
         self._measured += 1
         if (self._measured - 1) % self.log_every_n_steps:
             return
@@ -238,6 +242,15 @@ class PeakMemoryMonitor(Callback):
 
     def _compute(self) -> tuple[float | None, float | None, float | None]:
         """Max, mean and max-allocated over all ranks (collective: every rank must call it)."""
+
+        p, self._pending = self._pending, _no_pending()
+        if p["count"]:
+            dev = self._max.device
+            self._max.update(torch.tensor(float(p["max"]), dtype=torch.float64, device=dev))
+            mean = torch.tensor(p["sum"] / p["count"], dtype=torch.float64, device=dev)
+            self._mean.update(mean, weight=torch.tensor(float(p["count"]), dtype=torch.float64, device=dev))
+            if p["max_allocated"] >= 0:
+                self._max_allocated.update(torch.tensor(float(p["max_allocated"]), dtype=torch.float64, device=dev))
 
         def value(metric) -> float | None:
             with warnings.catch_warnings():
@@ -286,6 +299,10 @@ class _NullIO:
 
     def flush(self) -> None:
         pass
+
+
+def _no_pending() -> dict:
+    return {"max": 0, "sum": 0, "count": 0, "max_allocated": -1}
 
 
 def _log_step(trainer: Trainer) -> int:
