@@ -221,12 +221,54 @@ class NoSave4bitLinearFunction(torch.autograd.Function):
     def backward(ctx, grad):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            w = _dequantize_4bit(ctx.meta, ctx.saved_tensors, grad.dtype)
-            grad_x = torch.matmul(grad, w)
-            del w
+            grad_x = _grad_input_4bit(ctx.meta, ctx.saved_tensors, grad)
         if ctx.needs_input_grad[1]:
             grad_bias = _bias_grad(grad)
         return grad_x, grad_bias, None, None, None, None, None, None, None
+
+
+BACKWARD_CHUNKS = 8  # backward dequantizes the weight in this many row slices: 1/8 of it is dense at a time
+
+
+def _row_step(meta: _Packed4bit) -> int | None:
+    """Smallest row count whose elements fill whole quantization blocks (``None``: not row-sliceable)."""
+    if len(meta.shape) != 2:
+        return None
+    out_features, in_features = meta.shape
+    step = meta.blocksize // math.gcd(in_features, meta.blocksize)
+    return step if step < out_features else None
+
+
+def _grad_input_4bit(meta: _Packed4bit, tensors: tuple, grad: torch.Tensor) -> torch.Tensor:
+    """``grad @ dequant(W)``, dequantizing ``W`` one slice of rows at a time (the dense copy is a slice).
+
+    ``grad @ W = sum_k grad[..., rows_k] @ W[rows_k]``; slices end on quantization-block boundaries, so each
+    is dequantized from its own bytes of the packed weight and its own absmax values.
+    """
+    step = _row_step(meta)
+    packed, absmax, code, offset, nested_absmax, nested_code = tensors
+    if step is None or packed.numel() * 2 != meta.shape.numel():
+        w = _dequantize_4bit(meta, tensors, grad.dtype)
+        return torch.matmul(grad, w)
+    out_features, in_features = meta.shape
+    bnb_f = _bnb().functional
+    if meta.nested_blocksize is not None:  # per-block scales are themselves quantized: expand them once
+        absmax = bnb_f.dequantize_blockwise(absmax, absmax=nested_absmax, code=nested_code,
+                                            blocksize=meta.nested_blocksize) + offset
+    rows = max(step, -(-out_features // BACKWARD_CHUNKS) // step * step)
+    flat_packed = packed.reshape(-1)
+    grad2 = grad.reshape(-1, out_features)
+    grad_x = torch.zeros(grad2.shape[0], in_features, dtype=grad.dtype, device=grad.device)
+    for r0 in range(0, out_features, rows):
+        r1 = min(out_features, r0 + rows)
+        e0, e1 = r0 * in_features, r1 * in_features
+        state = bnb_f.QuantState(absmax=absmax[e0 // meta.blocksize: -(-e1 // meta.blocksize)],
+                                 shape=torch.Size((r1 - r0, in_features)), code=code, blocksize=meta.blocksize,
+                                 quant_type=meta.quant_type, dtype=grad.dtype)
+        w = bnb_f.dequantize_4bit(flat_packed[e0 // 2: e1 // 2].view(-1, 1), state)
+        grad_x.addmm_(grad2[:, r0:r1], w)
+        del w
+    return grad_x.reshape(*grad.shape[:-1], in_features)
 
 
 class NoSaveInt8LinearFunction(torch.autograd.Function):

@@ -244,3 +244,31 @@ def test_cuda_forward_retains_zero_new_bytes(mode):
     del x
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before == out.untyped_storage().nbytes() - base.numel() * 2
+
+
+@pytest.mark.parametrize("quant_type,dq", [("nf4", False), ("fp4", True)])
+def test_backward_dequantizes_row_slices_only(quant_type, dq):
+    """The input gradient needs the dense weight one slice of rows at a time, not whole."""
+    import bitsandbytes as bnb
+
+    from lightning_memkit.memory import LivePeak
+    from lightning_memkit.ops import nosave_matmul as nm
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(512, 256, bias=False, quant_type=quant_type, compress_statistics=dq,
+                              compute_dtype=torch.float32)
+    layer = layer.to("cpu")
+    layer.weight = bnb.nn.Params4bit(torch.randn(256, 512) * 0.05, requires_grad=False, quant_type=quant_type,
+                                     compress_statistics=dq)._quantize("cpu")
+    x = torch.randn(8, 512, requires_grad=True)
+    y = nm.nosave_linear(x, layer)
+    g = torch.randn_like(y)
+    with LivePeak() as lp:
+        y.backward(g)
+    dense = nm.dequantize_weight(layer, torch.float32)
+    torch.testing.assert_close(x.grad, g @ dense, rtol=1e-5, atol=1e-5)
+    weight_bytes = 256 * 512 * 4
+    grad_bytes = 8 * 512 * 4
+    # grad_x plus one slice (1/8 of the rows) and small absmax temporaries, never the whole weight
+    assert nm.BACKWARD_CHUNKS == 8
+    assert lp.peak_bytes < grad_bytes + weight_bytes // 4
