@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_memkit.demo.tiny_lm import CausalSelfAttention
+from lightning_memkit.demo.tiny_lm import CausalSelfAttention, positive_int
 from lightning_memkit.memory import stage_boundary
 from lightning_memkit.ops import padded_index_gather
 
@@ -40,12 +40,6 @@ VOCAB = 256
 EXCHANGES = ("identity", "copy")
 
 
-def _positive_int(owner: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}({name}=...) must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{owner}({name}={value}) must be a positive int")
-    return value
 
 
 class TokenExchange(nn.Module):
@@ -128,8 +122,8 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_experts", n_experts), ("top_k", top_k),
                             ("pad_to_multiple", pad_to_multiple)):
-            _positive_int("MoEFeedForward", name, value)
-        d_expert = d_model if d_expert is None else _positive_int("MoEFeedForward", "d_expert", d_expert)
+            positive_int("MoEFeedForward", name, value)
+        d_expert = d_model if d_expert is None else positive_int("MoEFeedForward", "d_expert", d_expert)
         if top_k > n_experts:
             raise ValueError(f"MoEFeedForward(top_k={top_k}) must be <= n_experts={n_experts}")
         if exchange not in EXCHANGES:
@@ -214,7 +208,7 @@ class TinyMoE(pl.LightningModule):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads),
                             ("seq_len", seq_len)):
-            _positive_int("TinyMoE", name, value)
+            positive_int("TinyMoE", name, value)
         if d_model % n_heads:
             raise ValueError(f"TinyMoE(n_heads={n_heads}) must divide d_model={d_model}")
         for name, value, positive in (("lr", lr, True), ("weight_decay", weight_decay, False),

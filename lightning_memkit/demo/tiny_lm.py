@@ -24,11 +24,12 @@ LOSSES = ("standard", "fused")
 VOCAB = 256  # bytes
 
 
-def _positive_int(name: str, value: object) -> int:
+def positive_int(owner: str, name: str, value: object) -> int:
+    """``value`` if it is an int > 0; else a TypeError/ValueError naming ``owner(name=...)``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"TinyLM({name}=...) must be an int, got {type(value).__name__}")
+        raise TypeError(f"{owner}({name}=...) must be an int, got {type(value).__name__}")
     if value <= 0:
-        raise ValueError(f"TinyLM({name}={value}) must be a positive int")
+        raise ValueError(f"{owner}({name}={value}) must be a positive int")
     return value
 
 
@@ -102,7 +103,7 @@ class TinyLM(pl.LightningModule):
     ):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("seq_len", seq_len)):
-            _positive_int(name, value)
+            positive_int("TinyLM", name, value)
         if d_model % n_heads:
             raise ValueError(f"TinyLM(n_heads={n_heads}) must divide d_model={d_model}")
         if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:

@@ -15,15 +15,6 @@ from lightning_memkit.demo import TinyLM
 from lightning_memkit.demo.tiny_lm import Block
 from lightning_memkit.memory import LivePeak, checkpoint_modules
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny CPU models: one intra-op thread avoids OpenMP spin contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 SEQ = 32
 
 

@@ -14,15 +14,6 @@ from lightning_memkit.demo import ByteTextDataModule, TinyLM
 from lightning_memkit.memory import LivePeak
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny CPU models: one intra-op thread avoids OpenMP spin contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class EvalLM(TinyLM):
     def test_step(self, batch, batch_idx):
         return self.validation_step(batch, batch_idx)

@@ -9,15 +9,6 @@ from lightning_memkit.memory import LivePeak, checkpoint_modules, is_checkpointe
 from lightning_memkit.memory.activation_recompute import resolve_policy
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny CPU models: one intra-op thread avoids OpenMP spin contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Block(nn.Module):
     def __init__(self, d=32):
         super().__init__()
