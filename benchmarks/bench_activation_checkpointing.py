@@ -37,9 +37,11 @@ from lightning_memkit.memory import LivePeak, checkpoint_modules, select_modules
 THREADS = 1  # one intra-op thread: stable ratios on a shared 2-core machine
 
 
-def _setup(device: str, quick: bool):
+def _setup(device: str, quick: bool, large: bool = False):
     torch.manual_seed(0)
-    if quick:
+    if large:  # GPU-sized: kernels long enough that launch overhead does not dominate the step
+        model, (bs, seq) = TinyLM(d_model=1024, n_layers=8, n_heads=16, seq_len=1024), (8, 1024)
+    elif quick:
         model, (bs, seq) = TinyLM(d_model=64, n_layers=4, n_heads=2, seq_len=64), (4, 64)
     else:
         model, (bs, seq) = TinyLM(), (16, 128)
@@ -73,8 +75,8 @@ def _live_peak(model, x, y, device, names=()):
     return lp.by_device[str(x.device)].peak
 
 
-def _policy_case(device: str, quick: bool) -> dict:
-    model, x, y, label = _setup(device, quick)
+def _policy_case(device: str, quick: bool, large: bool = False) -> dict:
+    model, x, y, label = _setup(device, quick, large)
     opt = model.configure_optimizers()
     blocks = select_modules(model, {Block})
 
@@ -155,6 +157,9 @@ def run(device: str = "cpu", quick: bool = False) -> list[dict]:
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
-        return [_policy_case(device, quick), _budget_case(device, quick)]
+        entries = [_policy_case(device, quick), _budget_case(device, quick)]
+        if device.startswith("cuda") and not quick:
+            entries.append(_policy_case(device, quick, large=True))
+        return entries
     finally:
         torch.set_num_threads(before)
