@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import json
 import pickle
 import shutil
@@ -234,6 +235,7 @@ class MemkitPipelineStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.setup_distributed()
+        _destroy_process_group_at_exit()
 
     # -- model -----------------------------------------------------------------------------------------------
     def connect(self, model: Any) -> None:
@@ -550,6 +552,27 @@ class MemkitPipelineStrategy(ParallelStrategy):
         self.checkpoint_io.teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the process group before the interpreter finalizes (once per process).
+
+    Left to interpreter shutdown, a gloo group that carried the schedule's point-to-point sends can be torn
+    down with its worker threads still joinable, which aborts the process (``terminate called without an
+    active exception``) after training finished.
+    """
+    if _EXIT_HOOK:
+        return
+    _EXIT_HOOK.append(True)
+
+    def destroy() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def _picklable(obj: Any) -> bool:
