@@ -22,13 +22,12 @@ import contextlib
 import io
 import itertools
 import statistics
-import time
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import peak_of, record, sync
+from benchmarks.common import peak_of, record, time_once
 from lightning_memkit.callbacks import ActivationCheckpointing
 from lightning_memkit.demo import TinyLM
 from lightning_memkit.demo.tiny_lm import Block
@@ -89,13 +88,6 @@ def _policy_case(device: str, quick: bool, large: bool = False) -> dict:
         with checkpoint_modules(blocks):
             step()
 
-    def timed(fn):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        return time.perf_counter() - t0
-
     for _ in range(2):
         step()
         recomputed()
@@ -105,11 +97,11 @@ def _policy_case(device: str, quick: bool, large: bool = False) -> dict:
     base_t, ckpt_t = [], []
     for i in range(pairs):
         if i % 2 == 0:
-            base_t.append(timed(step))
-            ckpt_t.append(timed(recomputed))
+            base_t.append(time_once(step, device))
+            ckpt_t.append(time_once(recomputed, device))
         else:
-            ckpt_t.append(timed(recomputed))
-            base_t.append(timed(step))
+            ckpt_t.append(time_once(recomputed, device))
+            base_t.append(time_once(step, device))
     ratio = statistics.median(c / b for c, b in zip(ckpt_t, base_t))
     cut = 1 - ckpt_peak / base_peak
     rows = [

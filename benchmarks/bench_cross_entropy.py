@@ -13,13 +13,12 @@ against ``F.cross_entropy``; every row allocates the logits and ``dW`` of the he
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import mib, peak_of, record, sync
+from benchmarks.common import mib, peak_of, record, time_once
 from lightning_memkit.ops import cross_entropy, linear_cross_entropy
 
 BASELINE = "F.linear_cross_entropy(options=LinearCrossEntropyOptions())"
@@ -62,11 +61,7 @@ def _measure(impls: dict[str, Callable[[], torch.Tensor]], leaves, device: str, 
     for r in range(max(rounds.values())):
         for name, fn in impls.items():
             if r < rounds[name]:
-                sync(device)
-                t0 = time.perf_counter()
-                step(fn)
-                sync(device)
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(time_once(lambda fn=fn: step(fn), device))
     for t in leaves:
         t.grad = None
     return peaks, {name: min(ts) for name, ts in times.items()}

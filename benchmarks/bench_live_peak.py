@@ -17,13 +17,12 @@ per op, and the ops per step are counted too.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import record, sync
+from benchmarks.common import record, time_once
 from lightning_memkit.demo import TinyLM
 from lightning_memkit.memory import LivePeak
 
@@ -138,18 +137,11 @@ def _overhead_case(device: str, quick: bool) -> dict:
         with LivePeak():
             step()
 
-    def timed(fn):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        return time.perf_counter() - t0
-
     pairs = 6 if quick else 12
     base, with_lp = [], []
     for i in range(pairs):
         first, second = (step, tracked) if i % 2 == 0 else (tracked, step)
-        a, b = timed(first), timed(second)
+        a, b = time_once(first, device), time_once(second, device)
         base.append(a if first is step else b)
         with_lp.append(b if first is step else a)
     ratio = statistics.median(w / b for w, b in zip(with_lp, base))

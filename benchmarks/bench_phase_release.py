@@ -25,12 +25,11 @@ import gc
 import io
 import logging
 import statistics
-import time
 
 import lightning as L
 import torch
 
-from benchmarks.common import record, sync
+from benchmarks.common import record, time_once
 from lightning_memkit.callbacks import PhaseMemoryRelease
 from lightning_memkit.demo import ByteTextDataModule, TinyLM
 from lightning_memkit.memory import LivePeak
@@ -150,11 +149,8 @@ def _cost_case(device: str, quick: bool) -> dict:
             order = variants if r % 2 == 0 else variants[::-1]
             for name, make in order:
                 model, callbacks = _model(shapes), make()
-                sync(device)
-                t0 = time.perf_counter()
-                _trainer(device, callbacks).fit(model, dm)
-                sync(device)
-                times[name].append(time.perf_counter() - t0)
+                fit = _trainer(device, callbacks).fit
+                times[name].append(time_once(lambda fit=fit, model=model: fit(model, dm), device))
     base = times["no callback"]
     rows = [{"impl": name, "fit_time_s": round(statistics.median(t), 3),
              "extra_s_per_fit": round(statistics.median(a - b for a, b in zip(t, base)), 3),

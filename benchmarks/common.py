@@ -26,18 +26,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def time_once(fn: Callable[[], object], device: str = "cpu") -> float:
+    """Wall time of one ``fn()`` in seconds, the device synchronized before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
 def timed(fn: Callable[[], object], *, device: str = "cpu", repeat: int = 3, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds."""
     for _ in range(warmup):
         fn()
-    sync(device)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    times.sort()
+    times = sorted(time_once(fn, device) for _ in range(repeat))
     return times[len(times) // 2]
 
 
