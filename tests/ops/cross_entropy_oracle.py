@@ -53,6 +53,30 @@ def assert_within(ours, ref, oracle, rel_tol: float, what: str) -> None:
     assert e_ours <= bound, f"{what}: error {e_ours:.3e} > torch's {e_ref:.3e} + {rel_tol * scale:.1e}"
 
 
+def check_against_oracle(loss_fn, base, target, reduction, opts, rel_tol):
+    """Run ``loss_fn(logits, target, reduction=..., **opts)`` forward and backward on a copy of ``base`` and
+    assert its loss and gradient are within ``rel_tol`` of PyTorch's same-dtype error against an fp64 oracle.
+
+    Returns the logits leaf ``loss_fn`` was given (its ``.grad`` holds our gradient).
+    """
+    oracle_in = base.double().requires_grad_()
+    oracle = reference_loss(oracle_in, target, reduction=reduction, **opts)
+    grad_out = torch.rand_like(oracle) + 0.5
+    oracle.backward(grad_out)
+
+    ref_in = base.clone().requires_grad_()
+    ref = reference_loss(ref_in, target, reduction=reduction, **opts)
+    ref.backward(grad_out.to(base.dtype))
+
+    ours_in = base.clone().requires_grad_()
+    ours = loss_fn(ours_in * 1, target, reduction=reduction, **opts)
+    assert ours.dtype == base.dtype and ours.shape == oracle.shape
+    ours.backward(grad_out.to(base.dtype))
+    assert_within(ours.detach(), ref.detach(), oracle.detach(), rel_tol, "loss")
+    assert_within(ours_in.grad, ref_in.grad, oracle_in.grad, rel_tol, "grad")
+    return ours_in
+
+
 class NoHostSync(TorchDispatchMode):
     """Fail on any op that copies a device value to the host (``.item()``, ``bool(tensor)``)."""
 

@@ -5,6 +5,7 @@ the variable set (it never leaks into other tests): the driver test below re-run
 where only the ``interpreted`` tests run.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cross_entropy_oracle import OPTION_SETS, assert_within, make_target, reference_loss
+from cross_entropy_oracle import OPTION_SETS, assert_within, check_against_oracle, make_target, reference_loss
 
 from lightning_memkit.ops import cross_entropy, linear_cross_entropy
 
@@ -53,18 +54,8 @@ def test_interpreted_cross_entropy(small_blocks, dtype, reduction, opts, inplace
     n, v = 13, 150
     base = (torch.randn(n, v) * 3).to(dtype)
     target = make_target(n, v)
-    oracle_in = base.double().requires_grad_()
-    oracle = reference_loss(oracle_in, target, reduction=reduction, **opts)
-    grad_out = torch.rand_like(oracle) + 0.5
-    oracle.backward(grad_out)
-    ref_in = base.clone().requires_grad_()
-    ref = reference_loss(ref_in, target, reduction=reduction, **opts)
-    ref.backward(grad_out.to(dtype))
-    ours_in = base.clone().requires_grad_()
-    ours = cross_entropy(ours_in * 1, target, reduction=reduction, inplace_backward=inplace, backend="triton", **opts)
-    ours.backward(grad_out.to(dtype))
-    assert_within(ours.detach(), ref.detach(), oracle.detach(), TOL[dtype], "loss")
-    assert_within(ours_in.grad, ref_in.grad, oracle_in.grad, TOL[dtype], "grad")
+    loss_fn = functools.partial(cross_entropy, inplace_backward=inplace, backend="triton")
+    ours_in = check_against_oracle(loss_fn, base, target, reduction, opts, TOL[dtype])
     assert torch.equal(ours_in.grad[target == -100], torch.zeros_like(ours_in.grad[target == -100]))
 
 
