@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torchmetrics import MaxMetric, MeanMetric
 
 from lightning_memkit.memory import LivePeak, resolve_device
+from lightning_memkit.memory.storage import format_bytes
 
 __all__ = ["PeakMemoryMonitor"]
 
@@ -34,16 +35,6 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"PeakMemoryMonitor({name}={value!r}) must be a positive int")
     return value
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return f"{n:,.2f} GiB"
 
 
 class PeakMemoryMonitor(Callback):
@@ -208,10 +199,11 @@ class PeakMemoryMonitor(Callback):
         every = s["sample_every_n_steps"]
         sampled = f" (1 in {every})" if every > 1 else ""
         table.add_row("measured steps (this rank)", f"{s['measured_steps']}{sampled}")
-        table.add_row("max step peak (all ranks)", _fmt_bytes(s["max_step_peak_bytes"]))
-        table.add_row("mean step peak (all ranks)", _fmt_bytes(s["mean_step_peak_bytes"]))
+        table.add_row("max step peak (all ranks)", format_bytes(s["max_step_peak_bytes"], grouping=True))
+        table.add_row("mean step peak (all ranks)", format_bytes(s["mean_step_peak_bytes"], grouping=True))
         if s["max_step_peak_allocated_bytes"] is not None:
-            table.add_row("max allocated incl. weights", _fmt_bytes(s["max_step_peak_allocated_bytes"]))
+            peak_allocated = format_bytes(s["max_step_peak_allocated_bytes"], grouping=True)
+            table.add_row("max allocated incl. weights", peak_allocated)
         return table
 
     def __str__(self) -> str:

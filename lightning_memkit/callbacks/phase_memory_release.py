@@ -23,14 +23,10 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from lightning_memkit.memory.live_peak import LivePeak, storage_key
-from lightning_memkit.memory.release import (
-    ReferrerReport,
-    empty_device_cache,
-    find_referrers,
-    release_optimizer_state,
-    tensors_with_storages,
-)
+from lightning_memkit.memory.live_peak import LivePeak
+from lightning_memkit.memory.referrers import ReferrerReport, find_referrers, tensors_with_storages
+from lightning_memkit.memory.release import empty_device_cache, release_optimizer_state
+from lightning_memkit.memory.storage import storage_key, tensors_in
 
 __all__ = ["PhaseMemoryRelease", "PhaseReleaseResult", "MemoryRetainedError", "drop_model_log_refs"]
 
@@ -53,24 +49,6 @@ class PhaseReleaseResult:
     retained_bytes: int | None
     peak_bytes: int | None
     report: ReferrerReport | None = None
-
-
-def _tensors_in(obj: Any, depth: int, seen: set[int], budget: list[int]) -> Iterable[torch.Tensor]:
-    """Tensors reachable from ``obj`` through attributes and containers (bounded in depth and in objects visited)."""
-    if id(obj) in seen or depth < 0 or budget[0] <= 0:
-        return
-    seen.add(id(obj))
-    budget[0] -= 1
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in list(obj.values())[: budget[0]]:
-            yield from _tensors_in(v, depth - 1, seen, budget)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in list(obj)[: budget[0]]:
-            yield from _tensors_in(v, depth - 1, seen, budget)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
-        yield from _tensors_in(vars(obj), depth - 1, seen, budget)
 
 
 def drop_model_log_refs(callbacks: Iterable[Callback], pl_module: LightningModule) -> int:
@@ -230,7 +208,7 @@ class PhaseMemoryRelease(Callback):
         if live is None:
             return PhaseReleaseResult(stage, freed, cache, None, None)
         owned = _keys([*pl_module.parameters(), *pl_module.buffers()])
-        owned |= _keys(_tensors_in(self._data_holders(trainer), depth=6, seen=set(), budget=[100_000]))
+        owned |= _keys(tensors_in(self._data_holders(trainer), max_depth=6))
         retained = {k: n for k, n, _dev, _tag in live.live_storages() if k not in owned}
         retained_bytes = sum(retained.values())
         report = None

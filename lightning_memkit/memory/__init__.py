@@ -17,13 +17,8 @@ from lightning_memkit.memory.device import (
     resolve_device,
 )
 from lightning_memkit.memory.live_peak import DeviceBytes, LivePeak
-from lightning_memkit.memory.release import (
-    Referrer,
-    ReferrerReport,
-    empty_device_cache,
-    find_referrers,
-    release_optimizer_state,
-)
+from lightning_memkit.memory.referrers import Referrer, ReferrerReport, find_referrers
+from lightning_memkit.memory.release import empty_device_cache, release_optimizer_state
 from lightning_memkit.memory.saved_tensors import SavedTensorReport, SavedTensorRow, profile_saved_tensors
 from lightning_memkit.memory.stage_boundary import (
     BoundaryStats,

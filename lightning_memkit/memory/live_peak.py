@@ -23,30 +23,18 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["LivePeak", "DeviceBytes", "storage_key", "storage_of", "iter_tensors", "note_storage_resized"]
+from lightning_memkit.memory.storage import has_storage, iter_op_tensors, storage_key
+
+__all__ = ["LivePeak", "DeviceBytes", "note_storage_resized"]
 
 _ACTIVE: list[LivePeak] = []  # trackers currently inside their block, innermost last
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of ``t``'s storage: stable while the storage lives, shared by all its views."""
-    return t.untyped_storage()._cdata
-
-
-def iter_tensors(obj: Any) -> Iterable[torch.Tensor]:
-    """Yield every tensor in a nested structure of lists, tuples and dicts."""
-    leaves, _ = tree_flatten(obj)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
 
 
 def note_storage_resized(t: torch.Tensor) -> None:
@@ -79,27 +67,15 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = set()
-        for t in _op_tensors(args):
-            if _has_storage(t):
+        for t in iter_op_tensors(args):
+            if has_storage(t):
                 inputs.add(storage_key(t))
-        for t in _op_tensors(kwargs.values()):
-            if _has_storage(t):
+        for t in iter_op_tensors(kwargs.values()):
+            if has_storage(t):
                 inputs.add(storage_key(t))
         out = func(*args, **kwargs)
         self.tracker._observe(out, inputs)
         return out
-
-
-def _op_tensors(items) -> Iterable[torch.Tensor]:
-    """Tensors among an ATen op's arguments or results (tensors, or lists and tuples of them).
-
-    A hand-written walk: ``tree_flatten`` costs more than the rest of the per-op bookkeeping.
-    """
-    for x in items:
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif isinstance(x, (list, tuple)):
-            yield from _op_tensors(x)
 
 
 def _leave_mode(mode: TorchDispatchMode | None, exc: tuple) -> None:
@@ -121,20 +97,6 @@ def _leave_mode(mode: TorchDispatchMode | None, exc: tuple) -> None:
     finally:
         for top in reversed(above):
             TorchDispatchMode.__enter__(top)
-
-
-def storage_of(t: Any) -> torch.UntypedStorage | None:
-    """``t``'s untyped storage, or ``None`` for non-tensors and tensors that own no memory (meta, sparse)."""
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _has_storage(t: torch.Tensor) -> bool:
-    return storage_of(t) is not None
 
 
 class LivePeak:
@@ -198,7 +160,7 @@ class LivePeak:
 
     def is_tracked(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage was created in the block (and is still alive)."""
-        return _has_storage(t) and storage_key(t) in self._entries
+        return has_storage(t) and storage_key(t) in self._entries
 
     def reset_peak(self) -> None:
         """Start a new high-water mark from the bytes alive now."""
@@ -212,8 +174,8 @@ class LivePeak:
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _observe(self, out: Any, inputs: set[int]) -> None:
-        for t in _op_tensors(out if isinstance(out, (list, tuple)) else (out,)):
-            if not _has_storage(t):
+        for t in iter_op_tensors(out if isinstance(out, (list, tuple)) else (out,)):
+            if not has_storage(t):
                 continue
             key = storage_key(t)
             if key in inputs:
@@ -241,7 +203,7 @@ class LivePeak:
                 self._change(entry.device, -entry.nbytes)
 
     def _resync(self, t: torch.Tensor) -> None:
-        if not _has_storage(t):
+        if not has_storage(t):
             return
         with self._lock:
             entry = self._entries.get(storage_key(t))

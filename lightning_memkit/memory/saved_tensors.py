@@ -27,7 +27,7 @@ import json
 import logging
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit.memory.live_peak import LivePeak, iter_tensors, storage_key, storage_of
+from lightning_memkit.memory.live_peak import LivePeak
+from lightning_memkit.memory.storage import format_bytes, iter_tensors, storage_key, storage_of, tensors_in
 
 __all__ = ["SavedTensorRecorder", "SavedTensorReport", "SavedTensorRow", "SavedStorage", "profile_saved_tensors"]
 
@@ -223,32 +224,11 @@ class SavedTensorReport:
         return "\n".join([fmt(header), rule, *map(fmt, body), rule, fmt(total), *figures])
 
 
-def format_bytes(n: int | float) -> str:
-    """``1536 -> '1.50 KiB'``; plain bytes below 1 KiB."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-
-
-def _tensors_of(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
-    """Tensors held by a quantization side object (a bitsandbytes ``QuantState`` and its nested state)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 3 and hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
-        for value in vars(obj).values():
-            yield from _tensors_of(value, depth + 1)
-
-
 def weight_storage_keys(module: nn.Module) -> set[int]:
     """Storage keys of every parameter and buffer of ``module``, quantized parameters' side tensors included."""
     keys = set()
     for t in [*module.parameters(), *module.buffers()]:
-        for tensor in [t, *(x for a in _QUANT_ATTRS for x in _tensors_of(getattr(t, a, None)))]:
+        for tensor in [t, *(x for a in _QUANT_ATTRS for x in tensors_in(getattr(t, a, None), max_depth=3))]:
             if storage_of(tensor) is not None:
                 keys.add(storage_key(tensor))
     return keys
@@ -415,7 +395,7 @@ class SavedTensorRecorder:
         storage = storage_of(t)
         if storage is None:
             return t
-        key = storage._cdata
+        key = storage_key(storage)
         name = self._stack[-1] if self._stack else ""
         rec = self._saved.get(key)
         if rec is None or rec.ref() is None:

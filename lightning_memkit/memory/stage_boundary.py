@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit.memory.live_peak import iter_tensors
+from lightning_memkit.memory.storage import iter_tensors
 from lightning_memkit.memory.storage_release import (
     UnsafeReleaseError,
     _call_site,

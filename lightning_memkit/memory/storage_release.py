@@ -57,7 +57,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memkit.memory.live_peak import iter_tensors, note_storage_resized, storage_key
+from lightning_memkit.memory.live_peak import note_storage_resized
+from lightning_memkit.memory.storage import iter_tensors, storage_key
 
 __all__ = [
     "release_storage",

@@ -47,8 +47,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit.memory.live_peak import LivePeak, iter_tensors
+from lightning_memkit.memory.live_peak import LivePeak
 from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
+from lightning_memkit.memory.storage import iter_tensors, unique_storage_bytes
 
 __all__ = [
     "SCHEDULES",
@@ -368,18 +369,6 @@ class _LossLayer(nn.Module):
         return self.loss_fn(output, self.target)
 
 
-def _storage_bytes(obj: Any) -> int:
-    seen, total = set(), 0
-    for t in iter_tensors(obj):
-        if t.device.type == "meta" or t.layout != torch.strided:
-            continue
-        s = t.untyped_storage()
-        if s._cdata not in seen:
-            seen.add(s._cdata)
-            total += s.nbytes()
-    return total
-
-
 def _fresh_input(x: Any) -> Any:
     """``x`` as the next stage receives it: a detached leaf that requires grad when it is floating point."""
     if isinstance(x, torch.Tensor):
@@ -477,7 +466,7 @@ def measure_layer_costs(
                 replace(
                     cost,
                     activation_bytes=activation,
-                    output_bytes=_storage_bytes(out),
+                    output_bytes=unique_storage_bytes(out),
                     workspace_bytes=workspace,
                     saves_input=report.preexisting_bytes > 0,
                     saves_output=report.output_bytes > 0,

@@ -6,7 +6,7 @@ import torch
 
 from lightning_memkit.memory import LivePeak, empty_device_cache, find_referrers, release_optimizer_state
 from lightning_memkit.memory.live_peak import storage_key
-from lightning_memkit.memory.release import tensors_with_storages
+from lightning_memkit.memory.referrers import tensors_with_storages
 
 
 def _adam(n=1000, steps=2):
@@ -142,9 +142,9 @@ def test_find_referrers_of_a_module_object():
 
 
 def test_find_referrers_argument_errors():
-    with pytest.raises(ValueError, match="min_bytes must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"find_referrers\(min_bytes=-1\): must be an int >= 0"):
         find_referrers(torch.zeros(1), min_bytes=-1)
-    with pytest.raises(ValueError, match="max_depth must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"find_referrers\(max_depth=0\): must be an int >= 1"):
         find_referrers(torch.zeros(1), max_depth=0)
 
 

@@ -6,8 +6,8 @@ from torch import nn
 
 from lightning_memkit.memory import LivePeak, SavedTensorReport, SavedTensorRow, profile_saved_tensors
 from lightning_memkit.memory import live_peak as live_peak_module
-from lightning_memkit.memory.live_peak import iter_tensors, storage_key
 from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
+from lightning_memkit.memory.storage import iter_tensors, storage_key
 
 
 def nbytes(t: torch.Tensor) -> int:
