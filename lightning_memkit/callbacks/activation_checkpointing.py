@@ -35,8 +35,10 @@ from lightning_memkit.memory.activation_recompute import (
     select_modules,
 )
 from lightning_memkit.memory.checkpoint_plan import CheckpointPlan, layer_savings, plan_checkpointing, predicted_peak
-from lightning_memkit.memory.live_peak import LivePeak, iter_tensors, storage_key
+from lightning_memkit.memory.live_peak import LivePeak
 from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
+from lightning_memkit.memory.storage import iter_tensors, storage_key
+from lightning_memkit.validation import check_int
 
 __all__ = ["ActivationCheckpointing"]
 
@@ -133,10 +135,7 @@ class ActivationCheckpointing(Callback):
 
     def __init__(self, policy: PolicyLike, budget_bytes: int | None = None, offload: bool = False):
         resolve_policy(policy)  # validates and imports class paths now
-        if budget_bytes is not None and (
-            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0
-        ):
-            raise ValueError(f"budget_bytes must be None or a positive int (bytes), got {budget_bytes!r}")
+        check_int(budget_bytes, "budget_bytes", minimum=1, allow_none=True, owner="ActivationCheckpointing")
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
         if offload and not torch.cuda.is_available():

@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_memkit.demo.tiny_lm import CausalSelfAttention, positive_int
+from lightning_memkit.demo.tiny_lm import CausalSelfAttention
 from lightning_memkit.memory import stage_boundary
 from lightning_memkit.ops import padded_index_gather
+from lightning_memkit.validation import check_int, check_number
 
 __all__ = ["TinyMoE", "MoEFeedForward", "MoEBlock", "Experts", "TokenExchange", "Combine", "EXCHANGES"]
 
@@ -122,8 +123,9 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_experts", n_experts), ("top_k", top_k),
                             ("pad_to_multiple", pad_to_multiple)):
-            positive_int("MoEFeedForward", name, value)
-        d_expert = d_model if d_expert is None else positive_int("MoEFeedForward", "d_expert", d_expert)
+            check_int(value, name, minimum=1, owner="MoEFeedForward")
+        check_int(d_expert, "d_expert", minimum=1, allow_none=True, owner="MoEFeedForward")  # None: d_model
+        d_expert = d_model if d_expert is None else d_expert
         if top_k > n_experts:
             raise ValueError(f"MoEFeedForward(top_k={top_k}) must be <= n_experts={n_experts}")
         if exchange not in EXCHANGES:
@@ -149,10 +151,11 @@ class MoEFeedForward(nn.Module):
         self.aux_loss = self.n_experts * (counts_t.to(probs.dtype) / flat.numel() * probs.mean(dim=0)).sum()
 
         permuted = padded_index_gather(tokens, token_idx, self.pad_to_multiple)  # dispatch input
-        stage_boundary(permuted, consumers=self.dispatch, on_refuse="keep")
+        held = () if keep is None else keep  # a schedule's list of stage outputs reads only their metadata
+        stage_boundary(permuted, consumers=self.dispatch, on_refuse="keep", held_by=held)
         expert_in = self.dispatch(permuted)
         expert_out = self.experts(expert_in, counts_t.tolist())
-        stage_boundary(expert_out, consumers=self.combine.exchange, on_refuse="keep")
+        stage_boundary(expert_out, consumers=self.combine.exchange, on_refuse="keep", held_by=held)
         if keep is not None:
             keep.extend((permuted, expert_in, expert_out))
         out = self.combine(expert_out, weights.reshape(-1)[order], token_idx, tokens.shape[0])
@@ -208,14 +211,12 @@ class TinyMoE(pl.LightningModule):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads),
                             ("seq_len", seq_len)):
-            positive_int("TinyMoE", name, value)
+            check_int(value, name, minimum=1, owner="TinyMoE")
         if d_model % n_heads:
             raise ValueError(f"TinyMoE(n_heads={n_heads}) must divide d_model={d_model}")
         for name, value, positive in (("lr", lr, True), ("weight_decay", weight_decay, False),
                                       ("aux_loss_coef", aux_loss_coef, False)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (positive and value == 0):
-                kind = "positive" if positive else "non-negative"
-                raise ValueError(f"TinyMoE({name}={value!r}) must be a {kind} number")
+            check_number(value, name, minimum=0, min_inclusive=not positive, owner="TinyMoE")
         self.save_hyperparameters()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(VOCAB, d_model)

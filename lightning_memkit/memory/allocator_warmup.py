@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from lightning_memkit.memory.device import effective_device_memory, memory_fraction, resolve_device
+from lightning_memkit.validation import check_int
 
 __all__ = [
     "DEFAULT_TARGET",
@@ -91,14 +92,6 @@ def parse_warmup_mode(mode: str | bool | None = None) -> tuple[str, str]:
     return value, "mode argument"
 
 
-def _check_bytes(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (bytes), got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0 bytes")
-    return value
-
-
 @dataclass(frozen=True)
 class WarmupDecision:
     """What the guard does with the warmup on one device.
@@ -132,7 +125,7 @@ def warmup_cap_bytes(device: torch.device | str | int | None = None, margin_byte
     cuda/xpu: ``min(free memory of the card, total x fraction - bytes this process already reserved)``;
     other devices: their effective memory. ``None`` when the numbers cannot be read.
     """
-    margin_bytes = _check_bytes("margin_bytes", margin_bytes)
+    margin_bytes = check_int(margin_bytes, "margin_bytes", minimum=0, owner="warmup_cap_bytes")
     dev = resolve_device(device)
     if dev.type in ("cuda", "xpu"):
         mod = getattr(torch, dev.type)
@@ -170,8 +163,8 @@ def warmup_decision(
         >>> warmup_decision("cpu", threshold_bytes=2**70, mode="auto").skip
         True
     """
-    threshold_bytes = _check_bytes("threshold_bytes", threshold_bytes)
-    margin_bytes = _check_bytes("margin_bytes", margin_bytes)
+    threshold_bytes = check_int(threshold_bytes, "threshold_bytes", minimum=0, owner="warmup_decision")
+    margin_bytes = check_int(margin_bytes, "margin_bytes", minimum=0, owner="warmup_decision")
     value, source = parse_warmup_mode(mode)
     return _decide(resolve_device(device), threshold_bytes, margin_bytes, value, source)
 
@@ -203,29 +196,58 @@ def _decide(dev: torch.device, threshold_bytes: int, margin_bytes: int, value: s
 
 
 # -- the scoped patch -------------------------------------------------------------------------------------
+#
+# Thread safety: every patch is reference-counted under one lock. The warmup function of a target is wrapped
+# by the first active guard (in any thread) and put back by the last one to leave; the byte counter of a
+# module is patched by the first capped warmup call in flight (in any thread) and put back by the last one to
+# return. What a call does is decided by the calling thread's own innermost active guard (and, in ``cap``
+# mode, its margin), kept per thread id, so guards in other threads never steer it.
 
 
 @dataclass
 class _Installed:
+    """One wrapped target, shared by the active guards of every thread."""
+
     module: Any
     attr: str
     original: Callable
     wrapper: Callable
-    guards: list[WarmupGuard] = field(default_factory=list)
+    stacks: dict[int, list[WarmupGuard]] = field(default_factory=dict)  # thread id -> its guards, innermost last
+
+    def innermost(self, thread_id: int) -> WarmupGuard | None:
+        stack = self.stacks.get(thread_id)
+        return stack[-1] if stack else None
+
+
+@dataclass
+class _CappedCounter:
+    """A module's byte counter, patched while any thread is inside a capped warmup call."""
+
+    module: Any  # held so that its id, the key in _CAPPED, cannot be reused while patched
+    original: Callable
+    wrapper: Callable
+    margins: dict[int, list[int]] = field(default_factory=dict)  # thread id -> margins of its calls in flight
 
 
 _LOCK = threading.RLock()
 _INSTALLED: dict[str, _Installed] = {}
+_CAPPED: dict[int, _CappedCounter] = {}  # id(module) -> its patched byte counter
 
 
-@contextlib.contextmanager
-def _capped_byte_count(module: Any, margin_bytes: int) -> Iterator[None]:
-    """Cap, per device, the byte count the warmup sizes its block from; restored on exit."""
-    original = getattr(module, _BYTE_COUNT_FN)
+def _current_margin(key: int) -> int | None:
+    with _LOCK:
+        patch = _CAPPED.get(key)
+        stack = patch.margins.get(threading.get_ident()) if patch is not None else None
+        return stack[-1] if stack else None
 
+
+def _make_capped(key: int, original: Callable) -> Callable:
     @functools.wraps(original)
     def capped(*args: Any, **kwargs: Any):
         counts = original(*args, **kwargs)
+        margin_bytes = _current_margin(key)
+        if margin_bytes is None:  # this thread is not inside a capped warmup call
+            return counts
         for dev in list(counts):
             cap = warmup_cap_bytes(dev, margin_bytes)
             if cap is not None and counts[dev] > cap:
@@ -233,12 +255,39 @@ def _capped_byte_count(module: Any, margin_bytes: int) -> Iterator[None]:
                 counts[dev] = cap
         return counts
 
-    setattr(module, _BYTE_COUNT_FN, capped)
+    return capped
+
+
+@contextlib.contextmanager
+def _capped_byte_count(module: Any, margin_bytes: int) -> Iterator[None]:
+    """Cap, per device and for this thread's call, the byte count the warmup sizes its block from.
+
+    The counter is patched by the first capped call in flight (any thread) and restored by the last one.
+    """
+    key, tid = id(module), threading.get_ident()
+    with _LOCK:
+        patch = _CAPPED.get(key)
+        if patch is None:
+            original = getattr(module, _BYTE_COUNT_FN)
+            patch = _CappedCounter(module, original, _make_capped(key, original))
+            setattr(module, _BYTE_COUNT_FN, patch.wrapper)
+            _CAPPED[key] = patch
+        patch.margins.setdefault(tid, []).append(margin_bytes)
     try:
         yield
     finally:
-        if getattr(module, _BYTE_COUNT_FN) is capped:
-            setattr(module, _BYTE_COUNT_FN, original)
+        with _LOCK:
+            stack = patch.margins[tid]
+            stack.pop()
+            if not stack:
+                del patch.margins[tid]
+            if not patch.margins:
+                del _CAPPED[key]
+                if getattr(module, _BYTE_COUNT_FN, None) is patch.wrapper:
+                    setattr(module, _BYTE_COUNT_FN, patch.original)
+                else:
+                    log.warning("allocator warmup guard: %s.%s was replaced by other code meanwhile; left as it is",
+                                getattr(module, "__name__", module), _BYTE_COUNT_FN)
 
 
 def _make_wrapper(target: str, original: Callable) -> Callable:
@@ -246,8 +295,8 @@ def _make_wrapper(target: str, original: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any):
         with _LOCK:
             inst = _INSTALLED.get(target)
-            guard = inst.guards[-1] if inst is not None and inst.guards else None
-        if guard is None:  # a stale reference kept by someone after release
+            guard = inst.innermost(threading.get_ident()) if inst is not None else None
+        if guard is None:  # no guard active in this thread, or a stale reference kept by someone after release
             return original(*args, **kwargs)
         decision = guard._decide()
         guard.calls.append(decision)
@@ -279,6 +328,10 @@ class WarmupGuard:
     wrapped once, reference-counted, and the innermost active guard decides. The original function is
     put back when the last guard leaves, exceptions included.
 
+    Thread-safe: guards active in several threads at once share that one wrapper, and a call is decided by
+    the calling thread's own innermost active guard; a thread with no active guard of its own gets the
+    original behaviour. :meth:`release` may be called from another thread than the one that entered.
+
     Attributes:
         decision: the decision taken when the guard became active (``None`` before).
         calls: one :class:`WarmupDecision` per call of the wrapped function.
@@ -290,19 +343,19 @@ class WarmupGuard:
         self.module_name, self.attr = _split_target(target)
         self.target = target
         self.mode, self.mode_source = parse_warmup_mode(mode)
-        self.threshold_bytes = _check_bytes("threshold_bytes", threshold_bytes)
-        self.margin_bytes = _check_bytes("margin_bytes", margin_bytes)
+        self.threshold_bytes = check_int(threshold_bytes, "threshold_bytes", minimum=0, owner="guard_allocator_warmup")
+        self.margin_bytes = check_int(margin_bytes, "margin_bytes", minimum=0, owner="guard_allocator_warmup")
         if device is not None:
             resolve_device(device)  # validate now
         self.device = device
         self.decision: WarmupDecision | None = None
         self.calls: list[WarmupDecision] = []
         self.installed = False
-        self._depth = 0
+        self._entries: list[int] = []  # the thread id of each active entry, oldest first
 
     @property
     def active(self) -> bool:
-        return self._depth > 0
+        return bool(self._entries)
 
     def _decide(self) -> WarmupDecision:
         return _decide(resolve_device(self.device), self.threshold_bytes, self.margin_bytes, self.mode,
@@ -310,36 +363,45 @@ class WarmupGuard:
 
     # -- entering and leaving -----------------------------------------------------------------------------
     def __enter__(self) -> WarmupGuard:
+        tid = threading.get_ident()
         with _LOCK:
-            if self._depth == 0:
+            if not self._entries:
                 self.decision = self._decide()
-                self.installed = self._install()
-            self._depth += 1
+                self.installed = self._install()  # raises with nothing changed
+            if self.installed:
+                _INSTALLED[self.target].stacks.setdefault(tid, []).append(self)
+                log.debug("allocator warmup guard on %s: %s", self.target, self.decision.reason)
+            self._entries.append(tid)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        tid = threading.get_ident()
         with _LOCK:
-            if self._depth == 0:
+            if not self._entries:
                 return
-            self._depth -= 1
-            if self._depth == 0 and self.installed:
-                self._uninstall()
+            # this thread's latest entry; another thread's when this one has none (a release from elsewhere)
+            mine = [i for i, t in enumerate(self._entries) if t == tid]
+            owner = self._entries.pop(mine[-1] if mine else -1)
+            if self.installed:
+                self._uninstall(owner)
+            if not self._entries:
                 self.installed = False
 
     def activate(self) -> WarmupGuard:
         """Enter unless already active (idempotent, unlike nested ``with``)."""
-        if not self.active:
-            self.__enter__()
+        with _LOCK:
+            if not self.active:
+                self.__enter__()
         return self
 
     def release(self) -> None:
-        """Leave completely, however many times it was entered; a no-op when not active."""
+        """Leave completely, however often and in whichever threads it was entered; a no-op when not active."""
         with _LOCK:
-            if self._depth > 0:
-                self._depth = 1
+            while self._entries:
                 self.__exit__(None, None, None)
 
     def _install(self) -> bool:
+        """Wrap the target unless another active guard already did; ``False`` when there is nothing to wrap."""
         inst = _INSTALLED.get(self.target)
         if inst is None:
             try:
@@ -365,17 +427,21 @@ class WarmupGuard:
         if self.target not in _INSTALLED:
             setattr(inst.module, self.attr, inst.wrapper)
             _INSTALLED[self.target] = inst
-        inst.guards.append(self)
-        log.debug("allocator warmup guard on %s: %s", self.target, self.decision.reason if self.decision else "")
         return True
 
-    def _uninstall(self) -> None:
+    def _uninstall(self, thread_id: int) -> None:
+        """Drop one entry of this guard made in ``thread_id``; the last entry of all puts the original back."""
         inst = _INSTALLED.get(self.target)
         if inst is None:
             return
-        if self in inst.guards:
-            inst.guards.remove(self)
-        if inst.guards:
+        stack = inst.stacks.get(thread_id, [])
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is self:
+                del stack[i]
+                break
+        if not stack:
+            inst.stacks.pop(thread_id, None)
+        if inst.stacks:
             return
         del _INSTALLED[self.target]
         if getattr(inst.module, inst.attr, None) is inst.wrapper:

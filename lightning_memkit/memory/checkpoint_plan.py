@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lightning_memkit.validation import check_int
+
 __all__ = ["CheckpointPlan", "plan_checkpointing", "layer_savings", "predicted_peak"]
 
 
@@ -61,12 +63,7 @@ class CheckpointPlan:
         )
 
 
-def _check_int(name: str, value: object, minimum: int | None = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (bytes), got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+_OWNER = "plan_checkpointing"
 
 
 def predicted_peak(
@@ -104,10 +101,10 @@ def plan_checkpointing(
     if not isinstance(savings, Mapping):
         raise TypeError(f"savings must be a mapping of layer name -> bytes, got {type(savings).__name__}")
     for name, s in savings.items():
-        _check_int(f"savings[{name!r}]", s, minimum=None)
-    _check_int("baseline_peak", baseline_peak)
-    _check_int("budget_bytes", budget_bytes)
-    _check_int("recompute_overhead", recompute_overhead)
+        check_int(s, f"savings[{name!r}]", owner=_OWNER)  # bytes
+    check_int(baseline_peak, "baseline_peak", minimum=0, owner=_OWNER)
+    check_int(budget_bytes, "budget_bytes", minimum=0, owner=_OWNER)
+    check_int(recompute_overhead, "recompute_overhead", minimum=0, owner=_OWNER)
     order = {name: i for i, name in enumerate(savings)}
     ranked = sorted((n for n in savings if savings[n] > 0), key=lambda n: (-savings[n], order[n]))
     plan = CheckpointPlan([], baseline_peak, baseline_peak, budget_bytes, dict(savings), recompute_overhead, ranked)

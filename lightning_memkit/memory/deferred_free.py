@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,8 @@ from lightning_memkit.memory.storage_release import (
 
 __all__ = ["DeferredFree"]
 
+_COMM_GRACE_S = 0.2
+
 
 def _probe(after: Any) -> tuple[Any, Any]:
     """(is-done callable, wait callable) for a handle; TypeError when it is none of the supported kinds."""
@@ -58,13 +61,24 @@ def _probe(after: Any) -> tuple[Any, Any]:
     )
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class _Pending:
+    """A queued tensor (the object ``defer`` returns): ``wait()`` waits for its work without exposing it."""
+
     tensor: torch.Tensor
     done: Any
-    wait: Any
+    wait_fn: Any
     outputs: Any
     site: str
+    comm: bool  # the handle is a collective's work, which keeps the tensor until it is dropped
+
+    def wait(self) -> None:
+        """Block until the work this tensor waits for has completed."""
+        if self.wait_fn is not None:
+            self.wait_fn()
+
+    def drop_handle(self) -> None:
+        self.done = self.wait_fn = None
 
 
 class DeferredFree:
@@ -88,16 +102,21 @@ class DeferredFree:
         self._queue: list[_Pending] = []
         self.released_bytes = 0
 
-    def defer(self, t: torch.Tensor, *, after: Any = None, outputs: Any = None) -> None:
-        """Queue ``t`` for release once ``after`` has completed.
+    def defer(self, t: torch.Tensor, *, after: Any = None, outputs: Any = None) -> _Pending:
+        """Queue ``t`` for release once ``after`` has completed; returns the entry (``entry.wait()`` waits).
 
         ``outputs`` are the tensors its consumers produced (see ``release_storage``). ``t`` is validated
         now (a parameter, a leaf that requires grad or a view is refused at once); the safety check runs
-        at release time.
+        at release time. A collective's work handle keeps its tensors until the handle itself is gone:
+        hand it over (``free.defer(x, after=dist.all_to_all_single(..., async_op=True))``) and wait through
+        the returned entry or ``drain(wait=True)``; once it has completed, the queue drops it before the
+        check. A handle you still reference yourself makes the check refuse.
         """
         _validate_tensor(t)
         done, wait = _probe(after)
-        self._queue.append(_Pending(t, done, wait, outputs, _call_site()))
+        entry = _Pending(t, done, wait, outputs, _call_site(), callable(getattr(after, "is_completed", None)))
+        self._queue.append(entry)
+        return entry
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -112,15 +131,11 @@ class DeferredFree:
         if wait:
             for p in self._queue:
                 p.wait()
-        ready = [p for p in self._queue if wait or p.done()]
+        ready = [p for p in self._queue if p.done is None or wait or p.done()]
+        for p in ready:
+            p.drop_handle()  # a completed collective's work handle holds the tensor until it is dropped
         if self.check:
-            problems = []
-            for p in ready:
-                if is_released(p.tensor):
-                    continue
-                reasons = verify_release(p.tensor, p.outputs)
-                if reasons:
-                    problems.append(f"tensor {_describe(p.tensor)} deferred at {p.site}: {'; '.join(reasons)}")
+            problems = [msg for p in ready if (msg := self._problem(p))]
             if problems:
                 raise UnsafeReleaseError("DeferredFree.drain refused: " + " | ".join(problems))
         poison = poison_enabled() if self.poison is None else self.poison
@@ -132,6 +147,25 @@ class DeferredFree:
         self._queue = [p for p in self._queue if id(p) not in ready_ids]
         self.released_bytes += total
         return total
+
+    @staticmethod
+    def _problem(p: _Pending) -> str | None:
+        """Why ``p``'s tensor cannot be released (None when it can).
+
+        A communication backend drops the tensors of a completed work a moment after reporting completion
+        (its worker thread still holds the work briefly): such a refusal is retried for up to 0.2 s.
+        """
+        if is_released(p.tensor):
+            return None
+        deadline = time.monotonic() + (_COMM_GRACE_S if p.comm else 0.0)
+        while True:
+            reasons = verify_release(p.tensor, p.outputs, held_by=(p,))
+            if not reasons or time.monotonic() >= deadline:
+                break
+            time.sleep(0.002)
+        if not reasons:
+            return None
+        return f"tensor {_describe(p.tensor)} deferred at {p.site}: {'; '.join(reasons)}"
 
     def clear(self) -> None:
         """Forget every queued tensor without releasing it."""

@@ -84,6 +84,7 @@ class _Mark:
     on_refuse: str
     site: str
     min_seq: int | None
+    held_by: tuple = ()
     waiting: set[int] = field(default_factory=set)
     handles: list[Any] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
@@ -108,7 +109,7 @@ class _Session:
             return
         try:
             n = release_storage(t, check=self.check, outputs=outputs, poison=self.poison,
-                                min_seq=mark.min_seq, site=mark.site)
+                                min_seq=mark.min_seq, site=mark.site, held_by=mark.held_by)
         except UnsafeReleaseError as err:
             if mark.on_refuse == "raise":
                 raise
@@ -183,7 +184,9 @@ def _consumers(consumers: Any) -> tuple[list[nn.Module], list[torch.Tensor] | No
     raise TypeError(f"stage_boundary(consumers=...) must hold only modules or only tensors, got {kinds}")
 
 
-def stage_boundary(t: torch.Tensor, consumers: Any, *, on_refuse: str = "raise") -> torch.Tensor:
+def stage_boundary(
+    t: torch.Tensor, consumers: Any, *, on_refuse: str = "raise", held_by: Any = ()
+) -> torch.Tensor:
     """Mark ``t`` for release once its consumers have run; returns ``t`` (unchanged).
 
     Args:
@@ -192,6 +195,8 @@ def stage_boundary(t: torch.Tensor, consumers: Any, *, on_refuse: str = "raise")
             the tensor or tensors they produced (released now).
         on_refuse: ``"raise"`` (default) raises when the check refuses; ``"keep"`` keeps the tensor and
             records the reason in :attr:`BoundaryStats.kept` (for a layer whose exchange may alias).
+        held_by: a container (or several, in a tuple) that holds ``t`` but reads only its metadata, such as
+            a schedule's list of stage outputs kept for a stage-wise backward (see ``release_storage``).
 
     Outside a :func:`release_stage_boundaries` block the arguments are validated and nothing else happens.
     """
@@ -205,7 +210,8 @@ def stage_boundary(t: torch.Tensor, consumers: Any, *, on_refuse: str = "raise")
     session = stack[-1]
     # consumers that run later create nodes numbered from here on; ones that already ran give no bound
     min_seq = torch._C._autograd._get_sequence_nr() if outputs is None else None
-    mark = _Mark(weakref.ref(t), on_refuse, _call_site(), min_seq)
+    holders = held_by if isinstance(held_by, tuple) else (held_by,)
+    mark = _Mark(weakref.ref(t), on_refuse, _call_site(), min_seq, holders)
     session.marks.append(mark)
     if outputs is not None:
         mark.outputs = outputs

@@ -10,7 +10,9 @@ same storage" and "how many bytes" mean one thing everywhere:
 - :func:`iter_tensors` (nested lists, tuples and dicts), :func:`iter_op_tensors` (the flat argument
   lists of ATen ops, fast) and :func:`tensors_in` (containers *and* object attributes, bounded);
 - :func:`unique_storage_bytes`: bytes of the distinct storages among some tensors;
-- :func:`format_bytes`: ``1536 -> '1.50 KiB'``.
+- :func:`format_bytes`: ``1536 -> '1.50 KiB'``;
+- :func:`unexplained_references`: Python references to a tensor that neither the running frames nor
+  their own containers explain (a ``ctx`` attribute, a ``saved_tensors_hooks`` pack, a list somewhere).
 
 Example::
 
@@ -28,7 +30,12 @@ Example::
 
 from __future__ import annotations
 
+import gc
+import inspect
+import sys
+import types
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +51,7 @@ __all__ = [
     "tensors_in",
     "unique_storage_bytes",
     "format_bytes",
+    "unexplained_references",
 ]
 
 
@@ -158,3 +166,165 @@ def format_bytes(n: int | float | None, *, grouping: bool = False) -> str:
             return f"{value:{sep}.0f} B" if unit == "B" else f"{value:{sep}.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+# -- who else holds a tensor: the reference counts a release check starts from ---------------------------
+def _python_refs(obj: Any) -> int:
+    """Python references to ``obj`` from outside this call (its argument and parameter not counted)."""
+    return sys.getrefcount(obj) - 2
+
+
+def _calibrate_preserved_ref() -> int:
+    """Python references torch adds to a tensor object while other ``TensorImpl`` owners exist (0 or 1).
+
+    torch keeps a tensor's Python object alive from C++ while its ``TensorImpl`` has other owners
+    (PyObject preservation); measured once, so the accounting follows the installed torch.
+    """
+    t = torch.empty(1)
+    alone = _python_refs(t)
+    view = t.view(1)
+    shared = _python_refs(t)
+    del view
+    return shared - alone
+
+
+_PRESERVED_REF = _calibrate_preserved_ref()
+
+
+_MODULE_CALL_HIDDEN: list[int] = []
+
+
+class _Probe(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> None:  # returns nothing: its output must not alias the argument
+        return None
+
+
+def _module_call_hidden_refs() -> int:
+    """References to a positional argument that a ``Module.__call__`` in progress holds where no frame
+    shows them (the interpreter builds an argument tuple in C for ``module(x)``): measured once, in a
+    forward hook of a fresh module, so that it follows the running interpreter and torch."""
+    if not _MODULE_CALL_HIDDEN:
+        _MODULE_CALL_HIDDEN.append(0)  # measured with no allowance
+        seen: list[int] = []
+        probe = _Probe()
+        probe.register_forward_hook(lambda _m, args, _out: seen.append(unexplained_references(args[0])))
+        probe(torch.empty(1))
+        _MODULE_CALL_HIDDEN[0] = max(0, seen[0]) if seen else 0
+    return _MODULE_CALL_HIDDEN[0]
+
+
+def _thread_frames() -> list[types.FrameType]:
+    frames, f = [], sys._getframe(1)
+    while f is not None:
+        frames.append(f)
+        f = f.f_back
+    return frames
+
+
+def _occurrences(items: Iterable[Any], obj: Any) -> int:
+    """How many of ``items`` are ``obj`` itself (a plain loop: a generator would capture ``obj`` in a cell)."""
+    n = 0
+    for x in items:
+        if x is obj:
+            n += 1
+    return n
+
+
+#: Frames of torch's own module-call machinery (``Module.__call__`` and its ``inner`` closure): their
+#: argument tuples live in cells and on the interpreter stack (``forward_call(*args)``), so a container
+#: they hold counts as theirs with one stack reference more.
+_CALL_MACHINERY = ("torch/nn/modules/module.py",)
+
+
+@dataclass
+class _FrameRefs:
+    counts: dict[int, int] = field(default_factory=dict)  # object id -> frame references to it
+    containers: dict[int, tuple[Any, int, int]] = field(default_factory=dict)  # id -> (obj, hits of t, slack)
+    namespaces: set[int] = field(default_factory=set)
+
+    machinery_args: int = 0  # occurrences of t among the arguments of running ``Module.__call__`` frames
+
+    def add(self, v: Any, t: torch.Tensor, slack: int, containers: bool = True) -> None:
+        self.counts[id(v)] = self.counts.get(id(v), 0) + 1
+        if containers and type(v) in (tuple, list, dict):
+            entry = self.containers.get(id(v))
+            if entry is not None:
+                self.containers[id(v)] = (v, entry[1], max(entry[2], slack))
+                return
+            k = _occurrences(v.values() if type(v) is dict else v, t)
+            if k:
+                self.containers[id(v)] = (v, k, slack)
+
+
+def _scan_frame(f: types.FrameType, t: torch.Tensor, refs: _FrameRefs) -> None:
+    code = f.f_code
+    optimized = bool(code.co_flags & inspect.CO_OPTIMIZED)
+    trusted = code.co_filename.replace("\\", "/").endswith(_CALL_MACHINERY)
+    skip = set() if trusted or not optimized else set(code.co_cellvars) | set(code.co_freevars)
+    loc = f.f_locals
+    if not optimized:  # a module or exec namespace: the dict itself, counted once
+        if id(loc) in refs.namespaces:
+            return
+        refs.namespaces.add(id(loc))
+    for name, v in loc.items():
+        if name not in skip:  # a cell may be shared with closures: not the frame's own reference
+            refs.add(v, t, 1 if trusted else 0, containers=optimized)  # a global list is no local one
+    if trusted and code.co_name == "_wrapped_call_impl" and type(loc.get("args")) is tuple:
+        refs.machinery_args += _occurrences(loc["args"], t)
+    if type(loc) is dict and optimized:
+        loc.clear()
+
+
+def _count_frame_locals(frames: list[types.FrameType], t: torch.Tensor) -> _FrameRefs:
+    """How many locals of ``frames`` refer to each object, and the tuples, lists and dicts among them
+    that hold ``t`` directly.
+
+    Python 3.11/3.12 materialise a frame's locals into a cached dict on ``f_locals``; that snapshot is
+    cleared again (it is only a cache) so that it neither adds references nor keeps objects alive.
+    """
+    refs = _FrameRefs()
+    for f in frames:
+        _scan_frame(f, t, refs)
+    return refs
+
+
+def unexplained_references(t: torch.Tensor, *, held_by: Iterable[Any] = ()) -> int:
+    """Python references to ``t`` that nothing the caller can vouch for explains (0 when none).
+
+    Explained are: fast locals of the frames running in this thread (the caller and its callers), the
+    tuples, lists and dicts that such locals hold when nothing but those frames holds them in turn (a
+    ``Module.__call__``'s ``args``), the objects in ``held_by`` (a queue entry of the caller's), and the
+    reference torch itself adds while other ``TensorImpl`` owners exist. Anything else is a holder the
+    caller does not control: a container or an attribute (a ``ctx.x = x`` of a custom autograd
+    Function), a closure cell, a ``saved_tensors_hooks`` pack (``save_on_cpu`` on CPU packs the tensor
+    itself), a C++ extension, another thread. Temporaries on an interpreter stack are not visible and
+    count as unexplained: the answer errs towards "held".
+    """
+    frames = _thread_frames()
+    refs = _count_frame_locals(frames, t)
+    explained = refs.counts.get(id(t), 0)
+    for c, k, slack in refs.containers.values():
+        # references to c besides the frames': the entry tuple holds it once, the loop variable once
+        if _python_refs(c) - 2 <= refs.counts.get(id(c), 0) + slack:
+            explained += k
+    c = None
+    refs.containers.clear()
+    for o in held_by:
+        explained += _occurrences(gc.get_referents(o), t)
+    o = None
+    frames.clear()
+    if refs.machinery_args:
+        explained += refs.machinery_args * _module_call_hidden_refs()
+    preserved = _PRESERVED_REF if t._use_count() > 1 else 0
+    extra = _python_refs(t) - preserved - explained
+    return extra - _frame_cells(t) if extra > 0 else extra
+
+
+def _frame_cells(t: torch.Tensor) -> int:
+    """References to ``t`` from closure cells that only a running frame holds (a local some closure
+    captured and that closure is gone). Costs a scan of the heap: run only when the fast count fell short."""
+    found = 0
+    for r in gc.get_referrers(t):
+        if type(r) is types.CellType and _python_refs(r) == 3 and len(gc.get_referrers(r)) == 1:
+            found += 1  # besides the scan's list and loop variable, one reference: a frame's cell slot
+    return found

@@ -47,6 +47,7 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 import weakref
 from collections.abc import Iterable, Iterator
@@ -58,7 +59,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit.memory.live_peak import note_storage_resized
-from lightning_memkit.memory.storage import iter_tensors, storage_key
+from lightning_memkit.memory.referrers import find_referrers
+from lightning_memkit.memory.storage import iter_tensors, storage_key, storage_use_count, unexplained_references
 
 __all__ = [
     "release_storage",
@@ -139,10 +141,7 @@ class _Save:
 
 def _counts(t: torch.Tensor) -> tuple[int, int]:
     """(other owners of the storage, other owners of t's TensorImpl), both 0 when t owns both alone."""
-    storage = t.untyped_storage()
-    sharers = torch._C._storage_Use_Count(storage._cdata) - 2  # t's TensorImpl + the Python storage object
-    del storage
-    return sharers, t._use_count() - 1
+    return storage_use_count(t) - 2, t._use_count() - 1  # minus t's TensorImpl and the Python storage object
 
 
 def _walk(roots: Iterable[Any], min_seq: int | None) -> Iterator[Any]:
@@ -219,7 +218,9 @@ def _has_storage(x: torch.Tensor) -> bool:
     return x.layout == torch.strided and not x.is_nested and x.device.type != "meta"
 
 
-def verify_release(t: torch.Tensor, outputs: Any = None, *, min_seq: int | None = None) -> list[str]:
+def verify_release(
+    t: torch.Tensor, outputs: Any = None, *, min_seq: int | None = None, held_by: Iterable[Any] = ()
+) -> list[str]:
     """Reasons why releasing ``t`` now is unsafe (empty when it is safe); see the module docstring.
 
     Args:
@@ -227,6 +228,8 @@ def verify_release(t: torch.Tensor, outputs: Any = None, *, min_seq: int | None 
         outputs: tensors computed by ``t``'s consumers; the graph between them and ``t`` is searched.
         min_seq: lower bound on the autograd sequence number of ``t``'s consumers (used when ``t`` has no
             ``grad_fn``); default: ``t.grad_fn``'s own sequence number.
+        held_by: objects that hold ``t`` and are known to read only its metadata (a queue entry, a
+            schedule's list of stage outputs kept for a stage-wise backward); their references are allowed.
     """
     _validate_tensor(t)
     outs = _as_tensors(outputs)
@@ -255,8 +258,34 @@ def verify_release(t: torch.Tensor, outputs: Any = None, *, min_seq: int | None 
                            "made by an exchange) that may still be read")
         else:
             reasons.append(f"{holders} reference(s) to it are held outside Python (an autograd node that saved it, "
-                           "a view's base pointer); pass outputs= so the nodes that saved it can be inspected")
+                           "a view's base pointer, a communication work handle that is still referenced); pass "
+                           "outputs= so the nodes that saved it can be inspected")
+    if not reasons:
+        reasons += _python_holders(t, held_by)
     return reasons
+
+
+def _python_holders(t: torch.Tensor, held_by: Iterable[Any]) -> list[str]:
+    """A reason naming what holds ``t``'s Python object besides the running frames (empty when nothing does)."""
+    held_by = list(held_by)
+    extra = unexplained_references(t, held_by=held_by)
+    if extra <= 0:
+        return []
+    ignore = [*held_by, *_thread_frame_list()]
+    rows = [r for r in find_referrers(t, min_bytes=0, ignore=ignore, max_holders=3) if r.holder != "(no Python holder)"]
+    named = "; ".join(f"{r.path} [{r.holder}]" for r in rows[:3])
+    where = (f"held by {named}" if named else "held where Python cannot see it: a saved_tensors_hooks pack "
+             "(torch.autograd.graph.save_on_cpu packs a CPU tensor itself), a C++ extension, or a temporary "
+             "of a call in progress (a loop over a list of tensors: pop them from the list instead)")
+    return [f"{extra} other Python reference(s) to the tensor may read it later: {where}"]
+
+
+def _thread_frame_list() -> list[Any]:
+    frames, f = [], sys._getframe(1)
+    while f is not None:
+        frames.append(f)
+        f = f.f_back
+    return frames
 
 
 # -- poisoning -------------------------------------------------------------------------------------------
@@ -348,6 +377,7 @@ def release_storage(
     poison: bool | None = None,
     min_seq: int | None = None,
     site: str | None = None,
+    held_by: Iterable[Any] = (),
 ) -> int:
     """Free ``t``'s storage now (keep the tensor and its ``grad_fn``); return the bytes released.
 
@@ -359,6 +389,8 @@ def release_storage(
         poison: fill the storage with the sentinel instead of freeing it (default: ``MEMKIT_POISON``).
         min_seq: lower bound on the consumers' autograd sequence numbers when ``t`` has no ``grad_fn``.
         site: where the release was requested, for poison messages (default: the caller's frame).
+        held_by: containers or objects that hold ``t`` but read only its metadata (a schedule's list of
+            stage outputs); their references do not refuse the release. You vouch for them.
 
     A tensor already released returns 0.
     """
@@ -369,7 +401,7 @@ def release_storage(
     if is_released(t) or t.untyped_storage().nbytes() == 0:
         return 0
     if check:
-        reasons = verify_release(t, outputs, min_seq=min_seq)
+        reasons = verify_release(t, outputs, min_seq=min_seq, held_by=held_by)
         if reasons:
             raise UnsafeReleaseError(f"release_storage refused for tensor {_describe(t)}: " + "; ".join(reasons))
     return _free(t, poison=poison, site=site or _call_site())
