@@ -11,13 +11,17 @@ torch.set_num_threads(1)
 HAS_CUDA = torch.cuda.is_available()
 
 
+RUN_SLOW = os.environ.get("MEMKIT_RUN_SLOW", "") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_slow = pytest.mark.skip(reason="long run: set MEMKIT_RUN_SLOW=1")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+        if "slow" in item.keywords and not RUN_SLOW:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture(autouse=True)

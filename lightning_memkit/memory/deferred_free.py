@@ -135,7 +135,7 @@ class DeferredFree:
         for p in ready:
             p.drop_handle()  # a completed collective's work handle holds the tensor until it is dropped
         if self.check:
-            problems = [msg for p in ready if (msg := self._problem(p))]
+            problems = [msg for p in ready if (msg := self._problem(p, tuple(self._queue)))]
             if problems:
                 raise UnsafeReleaseError("DeferredFree.drain refused: " + " | ".join(problems))
         poison = poison_enabled() if self.poison is None else self.poison
@@ -149,7 +149,7 @@ class DeferredFree:
         return total
 
     @staticmethod
-    def _problem(p: _Pending) -> str | None:
+    def _problem(p: _Pending, entries: tuple) -> str | None:
         """Why ``p``'s tensor cannot be released (None when it can).
 
         A communication backend drops the tensors of a completed work a moment after reporting completion
@@ -159,7 +159,7 @@ class DeferredFree:
             return None
         deadline = time.monotonic() + (_COMM_GRACE_S if p.comm else 0.0)
         while True:
-            reasons = verify_release(p.tensor, p.outputs, held_by=(p,))
+            reasons = verify_release(p.tensor, p.outputs, held_by=entries)  # the queue's own entries
             if not reasons or time.monotonic() >= deadline:
                 break
             time.sleep(0.002)

@@ -51,6 +51,7 @@ from lightning_memkit.memory.storage_release import (
     UnsafeReleaseError,
     _call_site,
     _validate_tensor,
+    holders_tuple,
     poison_enabled,
     poison_guard,
     release_storage,
@@ -210,8 +211,7 @@ def stage_boundary(
     session = stack[-1]
     # consumers that run later create nodes numbered from here on; ones that already ran give no bound
     min_seq = torch._C._autograd._get_sequence_nr() if outputs is None else None
-    holders = held_by if isinstance(held_by, tuple) else (held_by,)
-    mark = _Mark(weakref.ref(t), on_refuse, _call_site(), min_seq, holders)
+    mark = _Mark(weakref.ref(t), on_refuse, _call_site(), min_seq, holders_tuple(held_by))
     session.marks.append(mark)
     if outputs is not None:
         mark.outputs = outputs

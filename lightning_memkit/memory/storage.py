@@ -52,6 +52,7 @@ __all__ = [
     "unique_storage_bytes",
     "format_bytes",
     "unexplained_references",
+    "storage_object_references",
 ]
 
 
@@ -191,6 +192,19 @@ def _calibrate_preserved_ref() -> int:
 _PRESERVED_REF = _calibrate_preserved_ref()
 
 
+def _storage_object_refs(t: torch.Tensor) -> int:
+    storage = t.untyped_storage()
+    return _python_refs(storage) - 1  # minus the local above
+
+
+_STORAGE_OBJECT_REFS = _storage_object_refs(torch.empty(1))  # torch's own hold on the Python storage object
+
+
+def storage_object_references(t: torch.Tensor) -> int:
+    """Python references to ``t``'s ``UntypedStorage`` object beyond torch's own (0 when nobody keeps it)."""
+    return _storage_object_refs(t) - _STORAGE_OBJECT_REFS
+
+
 _MODULE_CALL_HIDDEN: list[int] = []
 
 
@@ -243,6 +257,7 @@ class _FrameRefs:
     namespaces: set[int] = field(default_factory=set)
 
     machinery_args: int = 0  # occurrences of t among the arguments of running ``Module.__call__`` frames
+    cell_hits: int = 0  # cell variables of running frames whose content is t
 
     def add(self, v: Any, t: torch.Tensor, slack: int, containers: bool = True) -> None:
         self.counts[id(v)] = self.counts.get(id(v), 0) + 1
@@ -269,6 +284,8 @@ def _scan_frame(f: types.FrameType, t: torch.Tensor, refs: _FrameRefs) -> None:
     for name, v in loc.items():
         if name not in skip:  # a cell may be shared with closures: not the frame's own reference
             refs.add(v, t, 1 if trusted else 0, containers=optimized)  # a global list is no local one
+        elif v is t:
+            refs.cell_hits += 1
     if trusted and code.co_name == "_wrapped_call_impl" and type(loc.get("args")) is tuple:
         refs.machinery_args += _occurrences(loc["args"], t)
     if type(loc) is dict and optimized:
@@ -300,6 +317,15 @@ def unexplained_references(t: torch.Tensor, *, held_by: Iterable[Any] = ()) -> i
     itself), a C++ extension, another thread. Temporaries on an interpreter stack are not visible and
     count as unexplained: the answer errs towards "held".
     """
+    tracer = sys.gettrace()  # a tracer refills f_locals snapshots at every line: counts would drift
+    sys.settrace(None)
+    try:
+        return _unexplained(t, held_by)
+    finally:
+        sys.settrace(tracer)
+
+
+def _unexplained(t: torch.Tensor, held_by: Iterable[Any]) -> int:
     frames = _thread_frames()
     refs = _count_frame_locals(frames, t)
     explained = refs.counts.get(id(t), 0)
@@ -317,7 +343,7 @@ def unexplained_references(t: torch.Tensor, *, held_by: Iterable[Any] = ()) -> i
         explained += refs.machinery_args * _module_call_hidden_refs()
     preserved = _PRESERVED_REF if t._use_count() > 1 else 0
     extra = _python_refs(t) - preserved - explained
-    return extra - _frame_cells(t) if extra > 0 else extra
+    return extra - _frame_cells(t) if extra > 0 and refs.cell_hits else extra
 
 
 def _frame_cells(t: torch.Tensor) -> int:

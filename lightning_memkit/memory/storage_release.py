@@ -56,11 +56,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit.memory.live_peak import note_storage_resized
 from lightning_memkit.memory.referrers import find_referrers
-from lightning_memkit.memory.storage import iter_tensors, storage_key, storage_use_count, unexplained_references
+from lightning_memkit.memory.storage import (
+    iter_tensors,
+    storage_key,
+    storage_object_references,
+    storage_use_count,
+    unexplained_references,
+)
 
 __all__ = [
     "release_storage",
@@ -79,6 +86,10 @@ POISON_BYTE = 0xFF  # NaN in every IEEE float dtype (and fp8 e4m3fn / e5m2); -1 
 #: ``(node class name, saved name)`` pairs whose backward reads only the saved tensor's metadata.
 METADATA_ONLY_SAVES: frozenset[tuple[str, str]] = frozenset({("IndexAddBackward0", "source")})
 
+#: Name the holders of a refused release (a few scans of the heap, 0.1 s on a large one). Set to False
+#: where many refusals are expected and their cause is known: the refusal itself does not change.
+NAME_HOLDERS = True
+
 _MAX_NODES = 100_000  # graph search limit when the producer of ``t`` gives no lower bound
 _OWN_FILES = tuple(f"lightning_memkit/memory/{n}.py" for n in ("storage_release", "stage_boundary", "deferred_free"))
 
@@ -91,9 +102,23 @@ class PoisonedReadError(RuntimeError):
     """An op read a storage that was released (poison mode) earlier."""
 
 
+POISON_ON = ("1", "true", "yes", "on")
+POISON_OFF = ("", "0", "false", "no", "off")
+
+
 def poison_enabled() -> bool:
-    """Whether ``MEMKIT_POISON`` asks for poisoning instead of freeing (``1``, ``true``, ``yes``, ``on``)."""
-    return os.environ.get(POISON_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``MEMKIT_POISON`` asks for poisoning instead of freeing.
+
+    Allowed values (any case): ``1``, ``true``, ``yes``, ``on`` (poison); unset, empty, ``0``, ``false``,
+    ``no``, ``off`` (free). Anything else is a ``ValueError`` listing them, not a silent "off".
+    """
+    value = os.environ.get(POISON_ENV, "").strip().lower()
+    if value in POISON_ON:
+        return True
+    if value in POISON_OFF:
+        return False
+    raise ValueError(f"{POISON_ENV}={os.environ[POISON_ENV]!r} is not allowed; use one of "
+                     f"{', '.join(POISON_ON)} (poison) or {', '.join(v for v in POISON_OFF if v)} or unset (free)")
 
 
 # -- validation ------------------------------------------------------------------------------------------
@@ -219,7 +244,7 @@ def _has_storage(x: torch.Tensor) -> bool:
 
 
 def verify_release(
-    t: torch.Tensor, outputs: Any = None, *, min_seq: int | None = None, held_by: Iterable[Any] = ()
+    t: torch.Tensor, outputs: Any = None, *, min_seq: int | None = None, held_by: Any = ()
 ) -> list[str]:
     """Reasons why releasing ``t`` now is unsafe (empty when it is safe); see the module docstring.
 
@@ -228,8 +253,8 @@ def verify_release(
         outputs: tensors computed by ``t``'s consumers; the graph between them and ``t`` is searched.
         min_seq: lower bound on the autograd sequence number of ``t``'s consumers (used when ``t`` has no
             ``grad_fn``); default: ``t.grad_fn``'s own sequence number.
-        held_by: objects that hold ``t`` and are known to read only its metadata (a queue entry, a
-            schedule's list of stage outputs kept for a stage-wise backward); their references are allowed.
+        held_by: an object (a list, a queue entry), or a tuple of them, that holds ``t`` and is known to read
+            only its metadata (a schedule's list of stage outputs kept for a stage-wise backward).
     """
     _validate_tensor(t)
     outs = _as_tensors(outputs)
@@ -248,9 +273,8 @@ def verify_release(
     readers = [s for s in saves if not s.metadata_only]
     for s in readers:
         reasons.append(f"it is saved for backward by {s.node} ({s.name}), which reads it")
-    if opaque:
-        reasons.append("saved_tensors_hooks (activation checkpointing or offloading?) packed what "
-                       f"{', '.join(sorted(set(opaque))[:4])} keep(s), so what backward reads cannot be verified")
+    # a saved_tensors_hooks pack is opaque, but whatever it kept of t shows in the counts: t itself or a
+    # container of it (Python references), a view or .detach() (storage owners), the storage object
     unexplained = sharers + holders - len(saves)
     if unexplained > 0 and not readers:
         if sharers > 0:
@@ -262,17 +286,31 @@ def verify_release(
                            "outputs= so the nodes that saved it can be inspected")
     if not reasons:
         reasons += _python_holders(t, held_by)
+    if not reasons and storage_object_references(t) > 0:
+        reasons.append("its UntypedStorage object is referenced from Python (a saved_tensors_hooks pack or a "
+                       "variable kept t.untyped_storage()), so it may be read later")
     return reasons
 
 
-def _python_holders(t: torch.Tensor, held_by: Iterable[Any]) -> list[str]:
+def holders_tuple(held_by: Any) -> tuple:
+    """``held_by`` as a tuple of holders: a tuple lists several; anything else (a list, a dict) is one."""
+    return held_by if isinstance(held_by, tuple) else (held_by,)
+
+
+def _python_holders(t: torch.Tensor, held_by: Any) -> list[str]:
     """A reason naming what holds ``t``'s Python object besides the running frames (empty when nothing does)."""
-    held_by = list(held_by)
+    held_by = holders_tuple(held_by)
     extra = unexplained_references(t, held_by=held_by)
     if extra <= 0:
         return []
-    ignore = [*held_by, *_thread_frame_list()]
-    rows = [r for r in find_referrers(t, min_bytes=0, ignore=ignore, max_holders=3) if r.holder != "(no Python holder)"]
+    rows = []
+    if NAME_HOLDERS:
+        ignore = [*held_by, *_thread_frame_list()]
+        try:
+            report = find_referrers(t, min_bytes=0, ignore=ignore, max_holders=3, max_depth=3)
+        finally:
+            ignore.clear()  # it holds this very frame: no cycle may keep t alive after a refusal
+        rows = [r for r in report if r.holder != "(no Python holder)"]
     named = "; ".join(f"{r.path} [{r.holder}]" for r in rows[:3])
     where = (f"held by {named}" if named else "held where Python cannot see it: a saved_tensors_hooks pack "
              "(torch.autograd.graph.save_on_cpu packs a CPU tensor itself), a C++ extension, or a temporary "
@@ -328,20 +366,36 @@ def _poison(t: torch.Tensor, site: str) -> None:
     _POISONED[key] = _PoisonEntry(weakref.ref(storage, lambda _r, key=key: _forget(key)), site, _describe(t))
 
 
+def _check_poisoned(tensors: Iterable[torch.Tensor], what: str) -> None:
+    for x in tensors:
+        if not _has_storage(x):
+            continue
+        entry = _POISONED.get(storage_key(x))
+        if entry is not None and entry.ref() is not None:
+            raise PoisonedReadError(
+                f"{what} read a tensor {entry.what} whose storage was released at {entry.site}; something still "
+                "reads it after that point (poison mode: the storage was filled with a sentinel instead of freed)"
+            )
+
+
 class _PoisonGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _POISONED and not func.is_view and func._schema.name not in _METADATA_OPS:
-            for x in iter_tensors((args, kwargs)):
-                if not _has_storage(x):
-                    continue
-                entry = _POISONED.get(storage_key(x))
-                if entry is not None and entry.ref() is not None:
-                    raise PoisonedReadError(
-                        f"{func} read a tensor {entry.what} whose storage was released at {entry.site}; "
-                        "something still reads it after that point (poison mode: the storage was filled with a "
-                        "sentinel instead of freed)"
-                    )
+            _check_poisoned(iter_tensors((args, kwargs)), str(func))
+        return func(*args, **kwargs)
+
+
+#: Tensor methods that read the data without an ATen op (``numpy`` shares the memory, ``tolist`` copies it
+#: in C); ``item`` is an op but is checked here too, before any dispatch.
+_HOST_READS = frozenset({torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__array__})
+
+
+class _PoisonHostReads(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _POISONED and func in _HOST_READS:
+            _check_poisoned(iter_tensors((args, kwargs)), f"Tensor.{getattr(func, '__name__', func)}()")
         return func(*args, **kwargs)
 
 
@@ -349,10 +403,11 @@ class _PoisonGuard(TorchDispatchMode):
 def poison_guard() -> Iterator[None]:
     """Raise :class:`PoisonedReadError` when an op (forward or backward) reads a poisoned storage.
 
-    Debug only: every op inside the block pays a Python check. ``release_stage_boundaries`` enters it
-    for you when poisoning is on.
+    Reads that bypass ATen ops are caught too: ``.numpy()``, ``.tolist()``, ``.item()``. Debug only: every
+    op inside the block pays a Python check. ``release_stage_boundaries`` enters it for you when
+    poisoning is on.
     """
-    with _PoisonGuard():
+    with _PoisonHostReads(), _PoisonGuard():
         yield
 
 
@@ -377,7 +432,7 @@ def release_storage(
     poison: bool | None = None,
     min_seq: int | None = None,
     site: str | None = None,
-    held_by: Iterable[Any] = (),
+    held_by: Any = (),
 ) -> int:
     """Free ``t``'s storage now (keep the tensor and its ``grad_fn``); return the bytes released.
 

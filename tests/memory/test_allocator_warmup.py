@@ -104,9 +104,9 @@ def test_invalid_modes_name_value_and_allowed(monkeypatch):
 
 
 def test_invalid_numbers_and_target():
-    with pytest.raises(ValueError, match="threshold_bytes=-1 must be >= 0"):
+    with pytest.raises(ValueError, match=r"warmup_decision\(threshold_bytes=-1\): must be an int >= 0"):
         warmup_decision("cpu", threshold_bytes=-1)
-    with pytest.raises(TypeError, match="margin_bytes must be an int"):
+    with pytest.raises(TypeError, match=r"guard_allocator_warmup\(margin_bytes=1.5\): must be an int >= 0, got float"):
         guard_allocator_warmup(margin_bytes=1.5)
     with pytest.raises(ValueError, match="target='nodot' must name a module attribute"):
         guard_allocator_warmup(target="nodot")

@@ -59,11 +59,11 @@ def test_ties_pick_earlier_layers():
 def test_argument_errors():
     with pytest.raises(TypeError, match="savings must be a mapping"):
         plan_checkpointing([10], 100, 50)
-    with pytest.raises(TypeError, match=r"savings\['a'\] must be an int"):
+    with pytest.raises(TypeError, match=r"plan_checkpointing\(savings\['a'\]=1.5\): must be an int, got float"):
         plan_checkpointing({"a": 1.5}, 100, 50)
-    with pytest.raises(ValueError, match="budget_bytes must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"plan_checkpointing\(budget_bytes=-1\): must be an int >= 0"):
         plan_checkpointing({"a": 1}, 100, -1)
-    with pytest.raises(ValueError, match="recompute_overhead must be >= 0, got -3"):
+    with pytest.raises(ValueError, match=r"plan_checkpointing\(recompute_overhead=-3\): must be an int >= 0"):
         plan_checkpointing({"a": 1}, 100, 50, recompute_overhead=-3)
 
 

@@ -117,12 +117,20 @@ def test_refuses_custom_function_ctx_attribute_and_hooked_saves():
     with pytest.raises(UnsafeReleaseError, match=r"KeepBackward \(ctx.kept\)"):
         release_storage(h, outputs=out)
 
+    # a pack hook that keeps the tensor itself is refused; one that keeps a copy holds nothing of h2
     w = torch.randn(4, 2, requires_grad=True)
     h2 = _act(3, 4)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         out2 = h2 @ w
-    with pytest.raises(UnsafeReleaseError, match="saved_tensors_hooks"):
+    with pytest.raises(UnsafeReleaseError, match=r"saved for backward by MmBackward0 \(self\)"):
         release_storage(h2, outputs=out2)
+    with pytest.raises(UnsafeReleaseError, match="saved_tensors_hooks pack"):
+        release_storage(h2)
+    want = torch.autograd.grad(out2.sum(), w, retain_graph=True)[0]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out3 = h2 @ w
+    assert release_storage(h2, outputs=out3) == 3 * 4 * 4
+    assert torch.equal(torch.autograd.grad(out3.sum(), w)[0], want)
 
 
 def test_metadata_only_allowlist_is_really_metadata_only():

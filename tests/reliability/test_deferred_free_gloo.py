@@ -1,0 +1,37 @@
+"""DeferredFree with a real collective: before, a completed gloo all_to_all_single(async_op=True) still
+held its buffer through the work handle and ``drain`` refused every release."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("_deferred_free_gloo_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_deferred_free_releases_after_a_real_gloo_all_to_all():
+    port, world = _free_port(), 2
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"rank {rank} ok" in out, out
