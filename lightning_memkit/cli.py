@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
+from lightning_memkit.validation import check_int
 
 __all__ = ["MemkitCLI", "LossTracker", "memory_report", "main"]
 
@@ -133,9 +134,7 @@ class MemkitCLI(LightningCLI):
         threads = self._get(self.config, "torch_num_threads")
         if threads is None:
             return
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"torch_num_threads={threads!r} must be a positive int or null")
-        torch.set_num_threads(threads)
+        torch.set_num_threads(check_int(threads, "torch_num_threads", minimum=1, allow_none=True, owner="MemkitCLI"))
 
     def before_fit(self) -> None:
         for cb in self.trainer.callbacks:

@@ -52,14 +52,29 @@ def check_int(
     minimum: int | None = None,
     maximum: int | None = None,
     allow_none: bool = False,
+    also: Iterable[Any] = (),
     owner: str | None = None,
-) -> int | None:
-    """``value`` as an int within ``[minimum, maximum]`` (either bound optional); ``None`` if ``allow_none``."""
+) -> Any:
+    """``value`` as an int within ``[minimum, maximum]`` (either bound optional); ``None`` if ``allow_none``.
+
+    ``also`` lists other values accepted as they are (of the same type), e.g. ``("auto",)``::
+
+        >>> check_int("auto", "chunk_size", minimum=1, also=("auto",))
+        'auto'
+        >>> check_int(0, "chunk_size", minimum=1, also=("auto",))
+        Traceback (most recent call last):
+        ...
+        ValueError: chunk_size=0: must be an int >= 1 or 'auto'
+    """
     if value is None and allow_none:
         return None
+    extra = list(also)
+    for choice in extra:
+        if type(value) is type(choice) and value == choice:
+            return value
     bounds = _range_text(minimum, maximum, True, True)
     bounds = f" {bounds.strip()}" if bounds else ""
-    allowed = f"must be an int{bounds}" + (" or None" if allow_none else "")
+    allowed = f"must be an int{bounds}" + "".join(f" or {c!r}" for c in extra) + (" or None" if allow_none else "")
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(f"{_label(name, value, owner)}: {allowed}, got {type(value).__name__}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):

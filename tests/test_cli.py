@@ -55,7 +55,7 @@ def test_torch_num_threads_applies_to_the_run_only(tmp_path, monkeypatch):
     main(args=[*demo_args(tmp_path), "--trainer.max_steps", "1", "--torch_num_threads", "3"])
     assert calls == [3, before]
     assert torch.get_num_threads() == before
-    with pytest.raises(ValueError, match="torch_num_threads=0 must be a positive int or null"):
+    with pytest.raises(ValueError, match=r"MemkitCLI\(torch_num_threads=0\): must be an int >= 1 or None"):
         main(args=["fit", "--config", str(CONFIG), "--torch_num_threads", "0"])
 
 

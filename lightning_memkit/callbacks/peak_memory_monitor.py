@@ -25,16 +25,11 @@ from torchmetrics import MaxMetric, MeanMetric
 
 from lightning_memkit.memory import LivePeak, resolve_device
 from lightning_memkit.memory.storage import format_bytes
+from lightning_memkit.validation import check_int
 
 __all__ = ["PeakMemoryMonitor"]
 
 log = logging.getLogger(__name__)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"PeakMemoryMonitor({name}={value!r}) must be a positive int")
-    return value
 
 
 class PeakMemoryMonitor(Callback):
@@ -73,8 +68,10 @@ class PeakMemoryMonitor(Callback):
         cpu_sample_every_n_steps: int = 10,
         verbose: bool = True,
     ):
-        self.log_every_n_steps = _positive_int("log_every_n_steps", log_every_n_steps)
-        self.cpu_sample_every_n_steps = _positive_int("cpu_sample_every_n_steps", cpu_sample_every_n_steps)
+        self.log_every_n_steps = check_int(log_every_n_steps, "log_every_n_steps", minimum=1, owner="PeakMemoryMonitor")
+        self.cpu_sample_every_n_steps = check_int(
+            cpu_sample_every_n_steps, "cpu_sample_every_n_steps", minimum=1, owner="PeakMemoryMonitor"
+        )
         if not isinstance(verbose, bool):
             raise TypeError(f"PeakMemoryMonitor(verbose=...) must be a bool, got {type(verbose).__name__}")
         self._requested_device = resolve_device(device) if device is not None else None

@@ -27,6 +27,7 @@ from lightning_memkit.memory.live_peak import LivePeak
 from lightning_memkit.memory.referrers import ReferrerReport, find_referrers, tensors_with_storages
 from lightning_memkit.memory.release import empty_device_cache, release_optimizer_state
 from lightning_memkit.memory.storage import storage_key, tensors_in
+from lightning_memkit.validation import check_int
 
 __all__ = ["PhaseMemoryRelease", "PhaseReleaseResult", "MemoryRetainedError", "drop_model_log_refs"]
 
@@ -138,9 +139,8 @@ class PhaseMemoryRelease(Callback):
             raise ValueError(
                 f"after={after!r} has unknown phase(s) {bad or '(none given)'}; allowed: {', '.join(PHASES)}"
             )
-        for name, value in (("tolerance_bytes", tolerance_bytes), ("min_report_bytes", min_report_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
+        check_int(tolerance_bytes, "tolerance_bytes", minimum=0, owner="PhaseMemoryRelease")  # bytes
+        check_int(min_report_bytes, "min_report_bytes", minimum=0, owner="PhaseMemoryRelease")
         for name, value in (("strict", strict), ("measure", measure)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

@@ -20,16 +20,14 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
 from lightning_memkit.memory.saved_tensors import SavedTensorRecorder, SavedTensorReport
+from lightning_memkit.validation import check_int
 
 __all__ = ["SavedTensorProfiler"]
 
 log = logging.getLogger(__name__)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+_OWNER = "SavedTensorProfiler"
 
 
 class SavedTensorProfiler(Callback):
@@ -64,15 +62,14 @@ class SavedTensorProfiler(Callback):
         first_step: int = 0,
         max_rows: int = 30,
     ):
-        self.every_n_steps = _check_int("every_n_steps", every_n_steps, 1)
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
-            raise ValueError(f"depth must be None (full module names) or an int >= 1, got {depth!r}")
+        self.every_n_steps = check_int(every_n_steps, "every_n_steps", minimum=1, owner=_OWNER)
+        check_int(depth, "depth", minimum=1, allow_none=True, owner=_OWNER)  # None: full module names
         if output_dir is not None and not isinstance(output_dir, (str, Path)):
             raise TypeError(f"output_dir must be a str, a pathlib.Path or None, got {type(output_dir).__name__}")
         self.depth = depth
         self.output_dir = Path(output_dir) if output_dir is not None else None
-        self.first_step = _check_int("first_step", first_step, 0)
-        self.max_rows = _check_int("max_rows", max_rows, 1)
+        self.first_step = check_int(first_step, "first_step", minimum=0, owner=_OWNER)
+        self.max_rows = check_int(max_rows, "max_rows", minimum=1, owner=_OWNER)
         self.last_report: SavedTensorReport | None = None
         self.written: list[Path] = []
         self._recorder: SavedTensorRecorder | None = None

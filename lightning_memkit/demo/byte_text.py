@@ -27,6 +27,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_memkit.validation import check_int, check_number
+
 __all__ = ["ByteTextDataModule", "ByteWindows", "load_corpus", "FALLBACK_TEXT"]
 
 FALLBACK_TEXT = Path(__file__).resolve().parent / "data" / "fallback.txt"
@@ -135,19 +137,13 @@ class ByteTextDataModule(pl.LightningDataModule):
         path: str | None = None,
     ):
         super().__init__()
+        owner = "ByteTextDataModule"
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("max_bytes", max_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ByteTextDataModule({name}={value!r}) must be a positive int")
-        if samples_per_epoch is not None and (
-            isinstance(samples_per_epoch, bool) or not isinstance(samples_per_epoch, int) or samples_per_epoch <= 0
-        ):
-            raise ValueError(
-                f"ByteTextDataModule(samples_per_epoch={samples_per_epoch!r}) must be None or a positive int"
-            )
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"ByteTextDataModule(val_fraction={val_fraction!r}) must be in (0, 1)")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"ByteTextDataModule(num_workers={num_workers!r}) must be an int >= 0")
+            check_int(value, name, minimum=1, owner=owner)
+        check_int(samples_per_epoch, "samples_per_epoch", minimum=1, allow_none=True, owner=owner)
+        check_number(val_fraction, "val_fraction", minimum=0, maximum=1, min_inclusive=False, max_inclusive=False,
+                     owner=owner)
+        check_int(num_workers, "num_workers", minimum=0, owner=owner)
         self.save_hyperparameters()
         self.batch_size = batch_size
         self.seq_len = seq_len

@@ -17,20 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memkit.ops import lm_head_loss
+from lightning_memkit.validation import check_int, check_number
 
 __all__ = ["TinyLM", "Block", "LOSSES"]
 
 LOSSES = ("standard", "fused")
 VOCAB = 256  # bytes
-
-
-def positive_int(owner: str, name: str, value: object) -> int:
-    """``value`` if it is an int > 0; else a TypeError/ValueError naming ``owner(name=...)``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}({name}=...) must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{owner}({name}={value}) must be a positive int")
-    return value
 
 
 class CausalSelfAttention(nn.Module):
@@ -103,13 +95,11 @@ class TinyLM(pl.LightningModule):
     ):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("seq_len", seq_len)):
-            positive_int("TinyLM", name, value)
+            check_int(value, name, minimum=1, owner="TinyLM")
         if d_model % n_heads:
             raise ValueError(f"TinyLM(n_heads={n_heads}) must divide d_model={d_model}")
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
-            raise ValueError(f"TinyLM(lr={lr!r}) must be a positive number")
-        if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or weight_decay < 0:
-            raise ValueError(f"TinyLM(weight_decay={weight_decay!r}) must be a number >= 0")
+        check_number(lr, "lr", minimum=0, min_inclusive=False, owner="TinyLM")
+        check_number(weight_decay, "weight_decay", minimum=0, owner="TinyLM")
         if loss not in LOSSES:
             raise ValueError(f"TinyLM(loss={loss!r}) is not supported; allowed: {', '.join(map(repr, LOSSES))}")
         self.save_hyperparameters()

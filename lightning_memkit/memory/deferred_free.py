@@ -19,7 +19,7 @@ Example::
     >>> from lightning_memkit.memory import DeferredFree
     >>> free = DeferredFree()
     >>> buf = torch.empty(1024) * 1                      # a buffer an async send still reads
-    >>> free.defer(buf, after=None)                      # e.g. after=work from dist.isend(...)
+    >>> entry = free.defer(buf, after=None)              # e.g. after=dist.isend(..., async_op=True)
     >>> free.drain()                                     # bytes released
     4096
 """
@@ -79,6 +79,10 @@ class _Pending:
 
     def drop_handle(self) -> None:
         self.done = self.wait_fn = None
+
+    def __repr__(self) -> str:
+        state = "released" if is_released(self.tensor) else "queued"
+        return f"DeferredFree entry: tensor {_describe(self.tensor)}, {state}, deferred at {self.site}"
 
 
 class DeferredFree:

@@ -53,6 +53,7 @@ __all__ = [
     "format_bytes",
     "unexplained_references",
     "storage_object_references",
+    "caller_frames",
 ]
 
 
@@ -227,7 +228,8 @@ def _module_call_hidden_refs() -> int:
     return _MODULE_CALL_HIDDEN[0]
 
 
-def _thread_frames() -> list[types.FrameType]:
+def caller_frames() -> list[types.FrameType]:
+    """The frames running in this thread, from the caller of this function down to the first."""
     frames, f = [], sys._getframe(1)
     while f is not None:
         frames.append(f)
@@ -326,7 +328,7 @@ def unexplained_references(t: torch.Tensor, *, held_by: Iterable[Any] = ()) -> i
 
 
 def _unexplained(t: torch.Tensor, held_by: Iterable[Any]) -> int:
-    frames = _thread_frames()
+    frames = caller_frames()
     refs = _count_frame_locals(frames, t)
     explained = refs.counts.get(id(t), 0)
     for c, k, slack in refs.containers.values():

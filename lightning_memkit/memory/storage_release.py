@@ -19,15 +19,19 @@ refused with :class:`UnsafeReleaseError` when something visible to torch can sti
   saved tensor's metadata and never its data are accepted (``IndexAddBackward0.source``: backward only
   expands the gradient to its shape); every holder must be accounted for, or the release is refused;
 * one of ``outputs`` shares its storage (the consumer returned its input);
-* a node in that graph packed its saved tensors with ``saved_tensors_hooks`` (activation checkpointing,
-  offloading): what it will read cannot be seen, so the release is refused.
+* anything else holds ``t``'s Python object: a ``ctx`` attribute, a ``saved_tensors_hooks`` pack that kept
+  ``t`` itself (``save_on_cpu`` on CPU), a container or closure that outlives the call, or its
+  ``UntypedStorage`` object is kept. ``sys.getrefcount`` is checked against what the running frames of
+  this thread explain (:func:`~lightning_memkit.memory.storage.unexplained_references`); the refusal
+  names the holder. ``held_by=`` declares holders that read only metadata (a schedule's list).
 
-Out of scope, by construction: plain Python references that read ``t`` later (a tensor kept on a list,
-in a closure, as an attribute). Set ``MEMKIT_POISON=1`` (or ``poison=True``) to find those: the
-storage is then kept and filled with a sentinel (all bytes ``0xFF``: NaN for every float dtype, ``-1``
-for signed integers) and, while :func:`poison_guard` is active (``release_stage_boundaries`` enters it
-for you), any later op that reads it, in forward or backward, raises :class:`PoisonedReadError` naming
-where the tensor was released. Poisoning is a debugging aid: it frees nothing.
+What no count sees: the caller's own later reads (the running frames are the caller's). Set
+``MEMKIT_POISON=1`` (or ``poison=True``) to find those: the storage is then kept and filled with a
+sentinel (all bytes ``0xFF``: NaN for every float dtype, ``-1`` for signed integers) and, while
+:func:`poison_guard` is active (``release_stage_boundaries`` enters it for you), any later op that reads
+it, in forward or backward, and any ``.tolist()``/``.numpy()``/``.item()``, raises
+:class:`PoisonedReadError` naming where the tensor was released. Poisoning is a debugging aid: it frees
+nothing.
 
 Bad inputs always raise, whatever ``check``: a parameter or a leaf that requires grad (its storage is
 the value being trained), a view (its base shares the storage), a sparse, nested or meta tensor.
@@ -47,7 +51,6 @@ Example::
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 import weakref
 from collections.abc import Iterable, Iterator
@@ -62,6 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_memkit.memory.live_peak import note_storage_resized
 from lightning_memkit.memory.referrers import find_referrers
 from lightning_memkit.memory.storage import (
+    caller_frames,
     iter_tensors,
     storage_key,
     storage_object_references,
@@ -305,7 +309,7 @@ def _python_holders(t: torch.Tensor, held_by: Any) -> list[str]:
         return []
     rows = []
     if NAME_HOLDERS:
-        ignore = [*held_by, *_thread_frame_list()]
+        ignore = [*held_by, *caller_frames()]
         try:
             report = find_referrers(t, min_bytes=0, ignore=ignore, max_holders=3, max_depth=3)
         finally:
@@ -316,14 +320,6 @@ def _python_holders(t: torch.Tensor, held_by: Any) -> list[str]:
              "(torch.autograd.graph.save_on_cpu packs a CPU tensor itself), a C++ extension, or a temporary "
              "of a call in progress (a loop over a list of tensors: pop them from the list instead)")
     return [f"{extra} other Python reference(s) to the tensor may read it later: {where}"]
-
-
-def _thread_frame_list() -> list[Any]:
-    frames, f = [], sys._getframe(1)
-    while f is not None:
-        frames.append(f)
-        f = f.f_back
-    return frames
 
 
 # -- poisoning -------------------------------------------------------------------------------------------

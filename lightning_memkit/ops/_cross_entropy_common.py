@@ -15,11 +15,12 @@ gives a NaN loss and NaN gradient for its token instead of an error.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
 import torch
+
+from lightning_memkit.validation import check_int, check_number
 
 __all__ = [
     "CrossEntropyOptions",
@@ -52,19 +53,10 @@ class CrossEntropyOptions:
     reduction: str = "mean"
 
     def __post_init__(self) -> None:
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        ls = self.label_smoothing
-        if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0.0 <= float(ls) <= 1.0:
-            raise ValueError(f"label_smoothing must be a float in [0, 1], got {ls!r}")
-        zl = self.z_loss
-        if isinstance(zl, bool) or not isinstance(zl, (int, float)) or not (math.isfinite(zl) and zl >= 0.0):
-            raise ValueError(f"z_loss must be a finite float >= 0, got {zl!r}")
-        sc = self.softcap
-        if sc is not None and (
-            isinstance(sc, bool) or not isinstance(sc, (int, float)) or not (math.isfinite(sc) and sc > 0.0)
-        ):
-            raise ValueError(f"softcap must be None or a finite float > 0, got {sc!r}")
+        check_int(self.ignore_index, "ignore_index")
+        check_number(self.label_smoothing, "label_smoothing", minimum=0, maximum=1)
+        check_number(self.z_loss, "z_loss", minimum=0)
+        check_number(self.softcap, "softcap", minimum=0, min_inclusive=False, allow_none=True)
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
 
@@ -119,12 +111,7 @@ def triton_kernels():
 
 
 def check_chunk_size(chunk_size) -> None:
-    if chunk_size == "auto":
-        return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be 'auto' or an int >= 1, got {chunk_size!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be 'auto' or an int >= 1, got {chunk_size!r}")
+    check_int(chunk_size, "chunk_size", minimum=1, also=("auto",))
 
 
 def auto_rows(

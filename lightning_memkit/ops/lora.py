@@ -22,19 +22,16 @@ import math
 import torch
 from torch import nn
 
+from lightning_memkit.validation import check_int, check_number
+
 __all__ = ["LoRAAdapter", "check_lora_args"]
 
 
 def check_lora_args(rank: int, alpha: float, dropout: float, *, owner: str = "LoRAAdapter") -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument when a LoRA setting is out of range."""
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"{owner}: lora_rank must be an int, got {type(rank).__name__}")
-    if rank < 0:
-        raise ValueError(f"{owner}: lora_rank={rank} must be >= 0 (0 disables the adapters)")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"{owner}: lora_alpha={alpha!r} must be a finite number > 0")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"{owner}: lora_dropout={dropout!r} must be a number in [0, 1)")
+    check_int(rank, "lora_rank", minimum=0, owner=owner)  # 0 disables the adapters
+    check_number(alpha, "lora_alpha", minimum=0, min_inclusive=False, owner=owner)
+    check_number(dropout, "lora_dropout", minimum=0, maximum=1, max_inclusive=False, owner=owner)
 
 
 class LoRAAdapter(nn.Module):
@@ -60,8 +57,7 @@ class LoRAAdapter(nn.Module):
     ):
         super().__init__()
         check_lora_args(rank, alpha, dropout)
-        if rank < 1:
-            raise ValueError(f"LoRAAdapter: lora_rank={rank} must be >= 1")
+        check_int(rank, "lora_rank", minimum=1, owner="LoRAAdapter")
         self.rank = rank
         self.alpha = float(alpha)
         self.scaling = self.alpha / rank

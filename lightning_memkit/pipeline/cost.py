@@ -50,6 +50,7 @@ from torch import nn
 from lightning_memkit.memory.live_peak import LivePeak
 from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
 from lightning_memkit.memory.storage import iter_tensors, unique_storage_bytes
+from lightning_memkit.validation import check_int
 
 __all__ = [
     "SCHEDULES",
@@ -103,9 +104,7 @@ class LayerCost:
     def __post_init__(self) -> None:
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes",
                      "workspace_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"LayerCost({name}={value!r}) must be an int >= 0 (bytes)")
+            check_int(getattr(self, name), name, minimum=0, owner="LayerCost")  # bytes
         for name in ("saves_input", "saves_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LayerCost({name}=...) must be a bool, got {type(getattr(self, name)).__name__}")
@@ -144,8 +143,7 @@ def _check_schedule(schedule: str) -> str:
 def resolve_stages_per_rank(schedule: str, stages_per_rank: int | None = None) -> int:
     """Stages each rank holds: 1 for ``gpipe``/``1f1b``, 2 for ``zbv``/``dualpipev``, >= 2 for interleaved."""
     schedule = _check_schedule(schedule)
-    if stages_per_rank is not None and (isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int)):
-        raise TypeError(f"stages_per_rank must be an int or None, got {type(stages_per_rank).__name__}")
+    check_int(stages_per_rank, "stages_per_rank", allow_none=True)
     fixed = {"gpipe": 1, "1f1b": 1, "zbv": 2, "dualpipev": 2}
     if schedule in fixed:
         if stages_per_rank not in (None, fixed[schedule]):
@@ -161,10 +159,9 @@ def resolve_stages_per_rank(schedule: str, stages_per_rank: int | None = None) -
     return stages_per_rank
 
 
-def _ranks(schedule: str, num_stages: int, stages_per_rank: int | None) -> tuple[str, int, int]:
+def _ranks(schedule: str, num_stages: int, stages_per_rank: int | None, owner: str) -> tuple[str, int, int]:
     schedule = _check_schedule(schedule)
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r} must be an int >= 1")
+    check_int(num_stages, "num_stages", minimum=1, owner=owner)
     v = resolve_stages_per_rank(schedule, stages_per_rank)
     if num_stages % v:
         raise ValueError(
@@ -182,24 +179,22 @@ def stage_to_rank(schedule: str, num_stages: int, stages_per_rank: int | None = 
         >>> stage_to_rank("dualpipev", 6)
         (0, 1, 2, 2, 1, 0)
     """
-    schedule, v, p = _ranks(schedule, num_stages, stages_per_rank)
+    schedule, v, p = _ranks(schedule, num_stages, stages_per_rank, "stage_to_rank")
     if schedule in _V_SCHEDULES:
         return tuple(s if s < p else 2 * p - 1 - s for s in range(num_stages))
     return tuple(s % p for s in range(num_stages))
 
 
-def _check_microbatches(microbatches: int) -> int:
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
-    return microbatches
+def _check_microbatches(microbatches: int, owner: str) -> int:
+    return check_int(microbatches, "microbatches", minimum=1, owner=owner)
 
 
 def inflight_microbatches(
     schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None
 ) -> tuple[int, ...]:
     """Most microbatches whose activations stage ``s`` holds at once, for each stage (see the module doc)."""
-    schedule, v, p = _ranks(schedule, num_stages, stages_per_rank)
-    m = _check_microbatches(microbatches)
+    schedule, v, p = _ranks(schedule, num_stages, stages_per_rank, "inflight_microbatches")
+    m = _check_microbatches(microbatches, "inflight_microbatches")
     if schedule == "gpipe":
         return (m,) * num_stages
     if schedule == "1f1b" or schedule in _V_SCHEDULES:

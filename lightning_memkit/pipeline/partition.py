@@ -46,6 +46,7 @@ from lightning_memkit.pipeline.cost import (
     resolve_stages_per_rank,
     stage_to_rank,
 )
+from lightning_memkit.validation import check_int
 
 __all__ = [
     "Partition",
@@ -122,11 +123,10 @@ def _prefix(values: Sequence[int]) -> torch.Tensor:
     return out
 
 
-def _check_common(costs, num_stages, schedule, microbatches, stages_per_rank):
+def _check_common(costs, num_stages, schedule, microbatches, stages_per_rank, owner="partition_layers"):
     layers = as_layer_costs(costs)
     v = resolve_stages_per_rank(schedule, stages_per_rank)
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r} must be an int >= 1")
+    check_int(num_stages, "num_stages", minimum=1, owner=owner)
     if num_stages > len(layers):
         raise ValueError(
             f"num_stages={num_stages} exceeds the {len(layers)} layers: every stage needs at least one layer; "
@@ -202,8 +202,7 @@ def _boundaries_from_sizes(sizes: Sequence[int], num_layers: int) -> list[int]:
         raise TypeError(f"sizes must be a non-empty sequence of ints, got {sizes!r}")
     bounds = [0]
     for i, s in enumerate(sizes):
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-            raise ValueError(f"sizes[{i}]={s!r} must be an int >= 1 (every stage needs a layer)")
+        check_int(s, f"sizes[{i}]", minimum=1, owner="evaluate_partition")  # every stage needs a layer
         bounds.append(bounds[-1] + s)
     if bounds[-1] != num_layers:
         raise ValueError(f"sizes={list(sizes)} add up to {bounds[-1]} layers, but there are {num_layers}")
@@ -228,7 +227,8 @@ def evaluate_partition(
         (6, 2)
     """
     layers, v, microbatches, inflight, ranks = _check_common(
-        costs, len(sizes) if isinstance(sizes, Sequence) else 0, schedule, microbatches, stages_per_rank
+        costs, len(sizes) if isinstance(sizes, Sequence) else 0, schedule, microbatches, stages_per_rank,
+        owner="evaluate_partition",
     )
     bounds = _boundaries_from_sizes(sizes, len(layers))
     return _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, method)
@@ -373,10 +373,7 @@ def partition_layers(
         (3, 3)
     """
     layers, v, microbatches, inflight, ranks = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank)
-    if max_bytes_per_rank is not None and (
-        isinstance(max_bytes_per_rank, bool) or not isinstance(max_bytes_per_rank, int) or max_bytes_per_rank < 1
-    ):
-        raise ValueError(f"max_bytes_per_rank={max_bytes_per_rank!r} must be a positive int (bytes) or None")
+    check_int(max_bytes_per_rank, "max_bytes_per_rank", minimum=1, allow_none=True, owner="partition_layers")
     n, p = len(layers), num_stages // v
     if v > 2:
         raise ValueError(
@@ -411,7 +408,7 @@ def uniform_partition(
     stages_per_rank: int | None = None,
 ) -> Partition:
     """Equal layer counts per stage (the first ``L mod N`` stages get one more), scored with the memory model."""
-    layers, *_ = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank)
+    layers, *_ = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank, owner="uniform_partition")
     n = len(layers)
     sizes = [n // num_stages + (1 if s < n % num_stages else 0) for s in range(num_stages)]
     return evaluate_partition(
@@ -431,7 +428,9 @@ def parameter_balanced_partition(
 
     Trainable bytes are ``grad_bytes`` (``param_bytes`` when no layer has gradients, or for int costs).
     """
-    layers, *_ = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank)
+    layers, *_ = _check_common(
+        costs, num_stages, schedule, microbatches, stages_per_rank, owner="parameter_balanced_partition"
+    )
     weights = [c.grad_bytes for c in layers]
     if not any(weights):
         weights = [c.param_bytes for c in layers]

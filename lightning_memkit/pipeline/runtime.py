@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_memkit.pipeline.cost import LayerCost, measure_layer_costs, static_cost
 from lightning_memkit.pipeline.partition import Partition
+from lightning_memkit.validation import check_int
 
 __all__ = [
     "PipelineRuntime",
@@ -67,8 +68,7 @@ def schedule_class(schedule: str) -> type:
 
 def check_microbatches(schedule: str, num_stages: int, microbatches: int, num_ranks: int) -> None:
     """Raise ``ValueError`` where ``schedule`` cannot run ``microbatches`` over ``num_stages`` stages."""
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
+    check_int(microbatches, "microbatches", minimum=1)
     if schedule in ("1f1b", "dualpipev") and microbatches < num_stages:
         raise ValueError(
             f"microbatches={microbatches} is too few for schedule={schedule!r} with {num_stages} stages: it needs "
@@ -321,8 +321,7 @@ class PipelineRuntime:
 
     def train_step(self, inputs: Any, target: Any, *, grad_accumulation: int = 1) -> torch.Tensor:
         """Forward and backward over every microbatch; gradients accumulate into ``.grad``; returns the mean loss."""
-        if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int) or grad_accumulation < 1:
-            raise ValueError(f"grad_accumulation={grad_accumulation!r} must be an int >= 1")
+        check_int(grad_accumulation, "grad_accumulation", minimum=1, owner="PipelineRuntime.train_step")
         self._check_batch(inputs)
         self._grad_scale = 1.0 / (self.microbatches * grad_accumulation)
         self._raw.clear()

@@ -102,7 +102,7 @@ def test_invalid_arguments_fail_at_construction(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "2")
     with pytest.raises(ValueError, match="MEMKIT_ALLOCATOR_WARMUP='2' is not a warmup mode"):
         AllocatorWarmupGuard()
-    with pytest.raises(ValueError, match="threshold_bytes=-5 must be >= 0"):
+    with pytest.raises(ValueError, match=r"guard_allocator_warmup\(threshold_bytes=-5\): must be an int >= 0"):
         AllocatorWarmupGuard(mode="auto", threshold_bytes=-5)
 
 

@@ -239,7 +239,7 @@ def test_summary_is_synced_over_ranks():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"log_every_n_steps": 0}, ValueError, r"log_every_n_steps=0\) must be a positive int"),
+        ({"log_every_n_steps": 0}, ValueError, r"PeakMemoryMonitor\(log_every_n_steps=0\): must be an int >= 1"),
         ({"log_every_n_steps": 1.5}, ValueError, "log_every_n_steps=1.5"),
         ({"log_every_n_steps": True}, ValueError, "log_every_n_steps=True"),
         ({"cpu_sample_every_n_steps": -2}, ValueError, "cpu_sample_every_n_steps=-2"),

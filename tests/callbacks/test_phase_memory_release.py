@@ -73,7 +73,7 @@ def test_argument_errors():
         PhaseMemoryRelease(after=())
     with pytest.raises(TypeError, match="after must be a phase name or a sequence of them, got int"):
         PhaseMemoryRelease(after=3)
-    with pytest.raises(ValueError, match="tolerance_bytes must be an int >= 0 \\(bytes\\), got -1"):
+    with pytest.raises(ValueError, match=r"PhaseMemoryRelease\(tolerance_bytes=-1\): must be an int >= 0"):
         PhaseMemoryRelease(tolerance_bytes=-1)
     with pytest.raises(TypeError, match="strict must be a bool, got str"):
         PhaseMemoryRelease(strict="yes")

@@ -52,7 +52,7 @@ def test_loss_decreases_on_real_bytes():
     [
         ({"loss": "chunked"}, ValueError, r"TinyLM\(loss='chunked'\) is not supported; allowed: 'standard', 'fused'"),
         ({"d_model": 30, "n_heads": 4}, ValueError, r"n_heads=4\) must divide d_model=30"),
-        ({"n_layers": 0}, ValueError, r"n_layers=0\) must be a positive int"),
+        ({"n_layers": 0}, ValueError, r"TinyLM\(n_layers=0\): must be an int >= 1"),
         ({"seq_len": 8.0}, TypeError, "seq_len"),
         ({"lr": -1.0}, ValueError, "lr=-1.0"),
     ],
@@ -125,8 +125,8 @@ def test_own_text_file(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"batch_size": 0}, r"batch_size=0\) must be a positive int"),
-        ({"val_fraction": 1.0}, r"val_fraction=1.0\) must be in \(0, 1\)"),
+        ({"batch_size": 0}, r"ByteTextDataModule\(batch_size=0\): must be an int >= 1"),
+        ({"val_fraction": 1.0}, r"ByteTextDataModule\(val_fraction=1.0\): must be a finite number > 0 and < 1"),
         ({"samples_per_epoch": -3}, "samples_per_epoch=-3"),
         ({"num_workers": -1}, "num_workers=-1"),
     ],

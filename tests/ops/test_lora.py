@@ -51,12 +51,13 @@ def test_retains_its_input_and_the_rank_intermediate_only():
 
 @pytest.mark.parametrize(
     ("args", "error", "match"),
-    [((-1, 16, 0.0), ValueError, "lora_rank=-1 must be >= 0"), ((True, 16, 0.0), TypeError, "lora_rank must be an int"),
-     ((4, float("inf"), 0.0), ValueError, "lora_alpha=inf must be a finite number > 0"),
-     ((4, 16, -0.1), ValueError, r"lora_dropout=-0.1 must be a number in \[0, 1\)")],
+    [((-1, 16, 0.0), ValueError, r"LoRAAdapter\(lora_rank=-1\): must be an int >= 0"),
+     ((True, 16, 0.0), TypeError, r"LoRAAdapter\(lora_rank=True\): must be an int >= 0, got bool"),
+     ((4, float("inf"), 0.0), ValueError, r"LoRAAdapter\(lora_alpha=inf\): must be a finite number > 0"),
+     ((4, 16, -0.1), ValueError, r"LoRAAdapter\(lora_dropout=-0.1\): must be a finite number >= 0 and < 1")],
 )
 def test_bad_arguments(args, error, match):
     with pytest.raises(error, match=match):
         check_lora_args(*args)
-    with pytest.raises(ValueError, match="lora_rank=0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"LoRAAdapter\(lora_rank=0\): must be an int >= 1"):
         LoRAAdapter(4, 4, rank=0)

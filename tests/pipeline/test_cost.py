@@ -188,7 +188,7 @@ def test_loss_bytes_join_the_last_layer():
 
 def test_layer_cost_validation():
     assert as_layer_costs([3, LayerCost(grad_bytes=2)]) == [LayerCost(param_bytes=3), LayerCost(grad_bytes=2)]
-    with pytest.raises(ValueError, match=r"LayerCost\(activation_bytes=-1\) must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"LayerCost\(activation_bytes=-1\): must be an int >= 0"):
         LayerCost(activation_bytes=-1)
     with pytest.raises(TypeError, match=r"costs\[1\] must be a LayerCost or an int"):
         as_layer_costs([1, 2.5])
@@ -200,7 +200,7 @@ def test_layer_cost_validation():
         inflight_microbatches("dualpipev", 3, 4)
     with pytest.raises(ValueError, match="stages_per_rank=3 does not fit schedule='zbv'"):
         resolve_stages_per_rank("zbv", 3)
-    with pytest.raises(ValueError, match="microbatches=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"inflight_microbatches\(microbatches=0\): must be an int >= 1"):
         inflight_microbatches("1f1b", 2, 0)
 
 

@@ -128,9 +128,9 @@ def test_bad_input():
         partition_layers([1, 2, 3, 4], 5)
     with pytest.raises(ValueError, match=r"sizes=\[2, 1\] add up to 3 layers, but there are 4"):
         evaluate_partition([1, 2, 3, 4], [2, 1])
-    with pytest.raises(ValueError, match=r"sizes\[1\]=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"evaluate_partition\(sizes\[1\]=0\): must be an int >= 1"):
         evaluate_partition([1, 2, 3, 4], [4, 0])
-    with pytest.raises(ValueError, match="max_bytes_per_rank=0 must be a positive int"):
+    with pytest.raises(ValueError, match=r"partition_layers\(max_bytes_per_rank=0\): must be an int >= 1 or None"):
         partition_layers([1, 2], 2, max_bytes_per_rank=0)
     with pytest.raises(ValueError, match="supports 2 stages per rank"):
         partition_layers([1] * 9, 9, schedule="interleaved_1f1b", stages_per_rank=3, microbatches=3)
