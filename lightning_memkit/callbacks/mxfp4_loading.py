@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_memkit.loading.safetensors_loader import LoadResult, load_mxfp4_into
+from lightning_memkit.validation import check_bool, check_int
 
 __all__ = ["MXFP4CheckpointLoader"]
 
@@ -59,14 +60,14 @@ class MXFP4CheckpointLoader(Callback):
             raise ValueError(f"path={str(path)!r} does not exist; expected a .safetensors file or a directory")
         if not isinstance(submodule, str):
             raise TypeError(f"submodule must be a str attribute path such as 'model', got {type(submodule).__name__}")
-        if rows_per_chunk is not None and (isinstance(rows_per_chunk, bool) or not isinstance(rows_per_chunk, int)
-                                           or rows_per_chunk < 1):
-            raise ValueError(f"rows_per_chunk={rows_per_chunk!r} must be a positive int or None")
+        check_int(rows_per_chunk, "rows_per_chunk", minimum=1, allow_none=True, owner="MXFP4CheckpointLoader")
+        check_bool(strict, "strict", owner="MXFP4CheckpointLoader")
+        check_bool(progress, "progress", owner="MXFP4CheckpointLoader")
         self.path = os.fspath(path)
         self.submodule = submodule
-        self.strict = bool(strict)
+        self.strict = strict
         self.rows_per_chunk = rows_per_chunk
-        self.progress = bool(progress)
+        self.progress = progress
         self.result: LoadResult | None = None
         self._done = False
 

@@ -34,11 +34,15 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_memkit.memory.storage import may_overlap
+from lightning_memkit.validation import check_int
+
 __all__ = [
     "FP4_VALUES",
     "dequantize_mxfp4",
     "mxfp4_output_shape",
     "check_mxfp4",
+    "check_writable",
     "chunk_transient_bytes",
     "default_rows_per_chunk",
 ]
@@ -88,6 +92,20 @@ def check_mxfp4(
             f"which dequantizes to {list(out_shape)} ([..., 32 * groups, rows])"
         )
     return out_shape
+
+
+def check_writable(name: str, t: torch.Tensor) -> None:
+    """``ValueError`` naming ``name`` if ``t`` cannot be written element by element (meta, inference, overlapping)."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: is on the meta device, which holds no data to write")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{name}: is an inference tensor (made under torch.inference_mode), which cannot be written "
+                         "in place outside inference mode; clone it or load inside torch.inference_mode()")
+    if may_overlap(t):
+        raise ValueError(
+            f"{name}: shape {list(t.shape)} with strides {list(t.stride())} overlaps itself (an expand or "
+            "as_strided view), so writing it would clobber its own elements; make it a dense tensor first"
+        )
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -181,7 +199,8 @@ def dequantize_mxfp4(
         scales: uint8 ``[*lead, R, G]``.
         dtype: result dtype; default ``out.dtype`` when ``out`` is given, else ``torch.bfloat16``. Each value
             is the exact product rounded once to ``dtype`` (what ``torch.ldexp`` gives GPT-OSS loaders).
-        out: destination (e.g. a model parameter) of shape ``[*lead, 32 * G, R]``, any strides and device;
+        out: destination (e.g. a model parameter) of shape ``[*lead, 32 * G, R]``, any device and strides
+            whose elements do not overlap (``ValueError`` otherwise);
             written chunk by chunk (under ``torch.no_grad``), so no temporary of the whole weight exists.
             Chunks are computed on ``out``'s device (only a chunk of ``blocks`` is moved at a time).
         rows_per_chunk: packed rows per chunk (more than ``R`` covers several experts at once); default
@@ -202,13 +221,13 @@ def dequantize_mxfp4(
         dtype = out.dtype
         if out.device.type == "meta":
             raise ValueError("out is on the meta device; allocate it (e.g. torch.empty_like(out, device=...)) first")
+        check_writable("out", out)
     dtype = dtype or torch.bfloat16
-    if not dtype.is_floating_point:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} is not allowed; use a floating dtype such as torch.bfloat16")
+    check_int(rows_per_chunk, "rows_per_chunk", minimum=1, allow_none=True)
     if rows_per_chunk is None:
         rows_per_chunk = default_rows_per_chunk(blocks.shape, dtype, into_out=out is not None)
-    elif isinstance(rows_per_chunk, bool) or not isinstance(rows_per_chunk, int) or rows_per_chunk < 1:
-        raise ValueError(f"rows_per_chunk={rows_per_chunk!r} must be a positive int or None")
 
     device = out.device if out is not None else blocks.device
     if out is None:

@@ -6,9 +6,11 @@ straight into the parameter) and copies every other tensor as it is. Memory duri
 module's own tensors plus the largest single entry being read (its packed bytes and one chunk of
 temporaries), never the whole checkpoint.
 
-Nothing is written before the whole manifest checks out: every file header is read and checked against
-the file size (truncated files), every name is mapped, and every shape and dtype is compared with its
-destination first. A failure is one ``ValueError`` listing each offending tensor.
+Nothing is written before the whole manifest checks out: every file header is read and checked as
+safetensors checks it (byte ranges against the file size, so empty and truncated files; tensors back to
+back), every file is opened, every name is mapped, every shape and dtype is compared with its destination,
+and every destination must be writable (no self-overlapping view; meta ones need a usable ``device``). A
+failure is one ``ValueError`` listing each offending tensor, file or parameter.
 
 Example::
 
@@ -33,9 +35,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_memkit.loading.mxfp4 import check_mxfp4, dequantize_mxfp4
+from lightning_memkit.loading.mxfp4 import check_mxfp4, check_writable, dequantize_mxfp4
 from lightning_memkit.loading.stream import split_mxfp4_name
 from lightning_memkit.memory.device import resolve_device
+from lightning_memkit.validation import check_bool, check_int
 
 __all__ = ["TensorInfo", "LoadResult", "read_safetensors_header", "checkpoint_manifest", "load_mxfp4_into"]
 
@@ -77,10 +80,8 @@ class LoadResult:
     missing: list[str] = field(default_factory=list)  # module entries absent from the checkpoint (strict=False)
 
 
-def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
-    """Parse a safetensors header and check every tensor's byte range against the file size."""
-    path = Path(path)
-    size = path.stat().st_size
+def _read_header_json(path: Path, size: int) -> tuple[dict, int]:
+    """The header object of a safetensors file and where its data starts; ``ValueError`` naming ``path``."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -95,26 +96,64 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             raise ValueError(f"{path}: safetensors header is not valid JSON ({err})") from err
     if not isinstance(header, dict):
         raise ValueError(f"{path}: safetensors header is not a JSON object")
-    data_start = 8 + header_len
-    infos: dict[str, TensorInfo] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            code, shape, (begin, end) = meta["dtype"], tuple(int(n) for n in meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"tensor {name!r} in {path}: malformed header entry {meta!r}") from err
-        if code not in _DTYPES:
-            raise ValueError(f"tensor {name!r} in {path}: dtype {code!r} is not supported; known: {sorted(_DTYPES)}")
-        dtype = _DTYPES[code]
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size()
-        if end - begin != nbytes or begin < 0:
-            raise ValueError(f"tensor {name!r} in {path}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
-                             f"dtype {code} x shape {list(shape)} needs {nbytes}")
-        if data_start + end > size:
-            raise ValueError(f"tensor {name!r} in {path} is truncated: its data ends at byte {data_start + end}, "
-                             f"the file has {size} bytes")
-        infos[name] = TensorInfo(name, path, dtype, shape, data_start + begin, nbytes)
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError(f"{path}: safetensors __metadata__ must map str to str, got {meta!r}")
+    return header, 8 + header_len
+
+
+def _is_count(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _tensor_info(path: Path, name: str, meta, data_start: int, size: int) -> TensorInfo:
+    """One header entry, checked: known dtype, non-negative int shape and offsets that hold exactly its bytes."""
+    try:
+        code, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+        begin, end = offsets
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"tensor {name!r} in {path}: malformed header entry {meta!r}") from err
+    if not isinstance(shape, list) or not all(map(_is_count, shape)) or not (_is_count(begin) and _is_count(end)):
+        raise ValueError(f"tensor {name!r} in {path}: malformed header entry {meta!r} (shape and data_offsets "
+                         "must be non-negative ints)")
+    if code not in _DTYPES:
+        raise ValueError(f"tensor {name!r} in {path}: dtype {code!r} is not supported; known: {sorted(_DTYPES)}")
+    dtype = _DTYPES[code]
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size()
+    if end - begin != nbytes:
+        raise ValueError(f"tensor {name!r} in {path}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
+                         f"dtype {code} x shape {list(shape)} needs {nbytes}")
+    if data_start + end > size:
+        raise ValueError(f"tensor {name!r} in {path} is truncated: its data ends at byte {data_start + end}, "
+                         f"the file has {size} bytes")
+    return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, nbytes)
+
+
+def _check_layout(path: Path, infos: dict[str, TensorInfo], data_start: int, size: int) -> None:
+    """Tensors stored back to back from the data start to the end of the file, as safetensors requires."""
+    at = data_start
+    for info in sorted(infos.values(), key=lambda i: (i.offset, i.nbytes)):
+        if info.offset != at:
+            raise ValueError(f"tensor {info.name!r} in {path}: its data starts at byte {info.offset}, but the "
+                             f"previous tensor ends at byte {at} (gap or overlap); not a valid safetensors file")
+        at += info.nbytes
+    if at != size:
+        raise ValueError(f"{path}: the tensors' data ends at byte {at} but the file has {size} bytes "
+                         "(trailing bytes); not a valid safetensors file")
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Parse a safetensors header and check it as safetensors does: every error names the file.
+
+    Checks each tensor's dtype, shape and byte range against the file size (empty and truncated files),
+    and that the tensors fill the data section back to back.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    header, data_start = _read_header_json(path, size)
+    infos = {name: _tensor_info(path, name, meta, data_start, size)
+             for name, meta in header.items() if name != "__metadata__"}
+    _check_layout(path, infos, data_start, size)
     return infos
 
 
@@ -258,6 +297,46 @@ def _materialize(old: torch.Tensor, device: torch.device, locs) -> torch.Tensor:
     return new
 
 
+def _destination_errors(items: list[_Item], targets: dict[str, torch.Tensor], device) -> list[str]:
+    """Every destination writable: dense (no self-overlap); meta ones only with a ``device`` that can hold them."""
+    errors = []
+    meta = [it.target for it in items if targets[it.target].device.type == "meta"]
+    for item in items:
+        if targets[item.target].device.type != "meta":
+            try:
+                check_writable(item.target, targets[item.target])
+            except ValueError as err:
+                errors.append(str(err))
+    if meta and device is None:
+        errors.append(f"{meta[0]}: on the meta device ({len(meta)} tensor(s) are); pass device=... to create them")
+    elif meta:
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as err:  # AssertionError: torch built without CUDA
+            errors.append(f"device={str(device)!r}: cannot create the {len(meta)} meta tensor(s) there ({err})")
+    return errors
+
+
+def _open_files(stack: contextlib.ExitStack, items: list[_Item]) -> tuple[dict[Path, object], list[str]]:
+    """Open every file the items read (safetensors validates each header) and check that it lists each source."""
+    from safetensors import safe_open
+
+    handles: dict[Path, object] = {}
+    errors: list[str] = []
+    for item in items:
+        for info in item.sources:
+            if info.file not in handles:
+                try:
+                    handles[info.file] = stack.enter_context(safe_open(str(info.file), framework="pt"))
+                except Exception as err:  # SafetensorError and OSError: name the file, whatever the reader says
+                    handles[info.file] = None
+                    errors.append(f"{info.file}: safetensors cannot open it ({type(err).__name__}: {err})")
+            handle = handles[info.file]
+            if handle is not None and info.name not in handle.keys():
+                errors.append(f"tensor {info.name!r}: not found by safetensors in {info.file}")
+    return handles, errors
+
+
 def _progress(enabled: bool):
     if not enabled:
         return contextlib.nullcontext(None)
@@ -291,15 +370,15 @@ def load_mxfp4_into(
 
     The peak during the load is what the module holds at the end plus the largest single entry being
     read (its bytes from the file, and for an MXFP4 pair one chunk of temporaries). Raises ``ValueError``
-    before anything is written when any file, name, shape or dtype does not fit.
+    before anything is written when any file, name, shape, dtype or destination does not fit.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    if rows_per_chunk is not None and (isinstance(rows_per_chunk, bool) or not isinstance(rows_per_chunk, int)
-                                       or rows_per_chunk < 1):
-        raise ValueError(f"rows_per_chunk={rows_per_chunk!r} must be a positive int or None")
+    check_int(rows_per_chunk, "rows_per_chunk", minimum=1, allow_none=True, owner="load_mxfp4_into")
+    check_bool(strict, "strict", owner="load_mxfp4_into")
+    check_bool(progress, "progress", owner="load_mxfp4_into")
     if device is not None and str(device) == "meta":
         raise ValueError("device='meta' is not allowed: tensors must be materialized to be loaded")
     device = resolve_device(device) if device is not None else None
@@ -312,26 +391,27 @@ def load_mxfp4_into(
     targets = module.state_dict(keep_vars=True)
     result = LoadResult()
     items, errors = _plan(manifest, targets, strict, result)
-    meta = [it.target for it in items if targets[it.target].device.type == "meta"]
-    if meta and device is None:
-        errors.append(f"{meta[0]}: on the meta device ({len(meta)} tensor(s) are); pass device=... to create them")
-    if errors:
-        lines = "\n".join(f"  - {e}" for e in errors)
-        raise ValueError(f"checkpoint {str(path)!r} does not fit {type(module).__name__}; nothing was loaded:\n{lines}")
+    errors += _destination_errors(items, targets, device)
+    with contextlib.ExitStack() as stack:
+        handles, open_errors = _open_files(stack, items)
+        errors += open_errors
+        if errors:
+            lines = "\n".join(f"  - {e}" for e in errors)
+            raise ValueError(f"checkpoint {str(path)!r} does not fit {type(module).__name__}; nothing was "
+                             f"loaded:\n{lines}")
+        _write(module, items, targets, handles, device, rows_per_chunk, progress, Path(path).name, result)
+    log.info("loaded %d tensors (%d dequantized from MXFP4) from %s in %.1f s", len(result.loaded),
+             len(result.dequantized), path, time.perf_counter() - started)
+    return result
 
-    from safetensors import safe_open
 
+def _write(module, items, targets, handles, device, rows_per_chunk, progress, label, result: LoadResult) -> None:
+    """Write every validated item (materializing meta destinations on ``device``, ties kept)."""
+    meta = any(targets[it.target].device.type == "meta" for it in items)
     locs = _locations(module) if meta else {}
     replaced: dict[int, torch.Tensor] = {}
-    with contextlib.ExitStack() as stack, _progress(progress) as bar:
-        handles = {}
-        task = bar.add_task(Path(path).name, total=len(items)) if bar is not None else None
-
-        def read(info: TensorInfo) -> torch.Tensor:
-            if info.file not in handles:
-                handles[info.file] = stack.enter_context(safe_open(str(info.file), framework="pt"))
-            return handles[info.file].get_tensor(info.name)
-
+    with _progress(progress) as bar:
+        task = bar.add_task(label, total=len(items)) if bar is not None else None
         for n, item in enumerate(items, 1):
             target = targets[item.target]
             if target.device.type == "meta":
@@ -339,20 +419,24 @@ def load_mxfp4_into(
                     replaced[id(target)] = _materialize(target, device, locs)
                     result.materialized.append(item.target)
                 target = replaced[id(target)]
-            with torch.no_grad():
-                if item.mxfp4:
-                    blocks, scales = read(item.sources[0]), read(item.sources[1])
-                    dequantize_mxfp4(blocks, scales, out=target, rows_per_chunk=rows_per_chunk)
-                    del blocks, scales
-                    result.dequantized.append(item.target)
-                else:
-                    source = read(item.sources[0])
-                    target.copy_(source)
-                    del source
-            result.loaded.append(item.target)
+            _write_one(item, target, handles, rows_per_chunk, result)
             log.debug("loaded %s (%d/%d)%s", item.target, n, len(items), " [MXFP4]" if item.mxfp4 else "")
             if bar is not None:
                 bar.update(task, advance=1)
-    log.info("loaded %d tensors (%d dequantized from MXFP4) from %s in %.1f s", len(result.loaded),
-             len(result.dequantized), path, time.perf_counter() - started)
-    return result
+
+
+def _write_one(item: _Item, target: torch.Tensor, handles, rows_per_chunk, result: LoadResult) -> None:
+    def read(info: TensorInfo) -> torch.Tensor:
+        return handles[info.file].get_tensor(info.name)
+
+    with torch.no_grad():
+        if item.mxfp4:
+            blocks, scales = read(item.sources[0]), read(item.sources[1])
+            dequantize_mxfp4(blocks, scales, out=target, rows_per_chunk=rows_per_chunk)
+            del blocks, scales
+            result.dequantized.append(item.target)
+        else:
+            source = read(item.sources[0])
+            target.copy_(source)
+            del source
+    result.loaded.append(item.target)

@@ -21,6 +21,8 @@ from collections.abc import Iterator, MutableMapping
 import torch
 
 from lightning_memkit.loading.mxfp4 import check_mxfp4, dequantize_mxfp4
+from lightning_memkit.memory.device import resolve_device
+from lightning_memkit.validation import check_int
 
 __all__ = ["stream_dequantize", "split_mxfp4_name"]
 
@@ -42,6 +44,8 @@ def _plan(state_dict: MutableMapping[str, torch.Tensor]) -> list[tuple[str, bool
     plan: list[tuple[str, bool]] = []
     seen: set[str] = set()
     for key in list(state_dict):
+        if not isinstance(state_dict[key], torch.Tensor):
+            raise TypeError(f"state_dict[{key!r}] must be a tensor, got {type(state_dict[key]).__name__}")
         base, suffix = split_mxfp4_name(key)
         if suffix is None:
             plan.append((key, False))
@@ -75,15 +79,28 @@ def stream_dequantize(
     plus one dequantized weight, instead of every packed and every dequantized tensor at once. Collecting
     the results (``dict(stream_dequantize(sd))``) still frees the packed tensors as it goes.
 
-    The whole dict is validated (pairs complete, dtypes, shapes) when this is called, before any entry is
-    removed; the returned generator then pops lazily.
+    Every argument and the whole dict (tensors, pairs complete, dtypes, shapes) are validated when this is
+    called, before any entry is removed (a bad argument leaves the dict intact); the returned generator
+    then pops lazily. ``device`` must be usable here (not ``"meta"``; ``"cuda"`` only with a GPU).
     """
     if not isinstance(state_dict, MutableMapping):
         raise TypeError(f"state_dict must be a mutable mapping (e.g. dict), got {type(state_dict).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype!r} is not allowed; use a floating torch dtype such as torch.bfloat16")
+    check_int(rows_per_chunk, "rows_per_chunk", minimum=1, allow_none=True, owner="stream_dequantize")
+    target = None if device is None else _usable_device(device)
     plan = _plan(state_dict)
-    return _stream(state_dict, plan, dtype, device, rows_per_chunk)
+    return _stream(state_dict, plan, dtype, target, rows_per_chunk)
+
+
+def _usable_device(device: torch.device | str) -> torch.device:
+    """``device`` resolved, or ``ValueError`` naming it if tensors cannot be created there (meta, no GPU)."""
+    dev = resolve_device(device)  # refuses unknown names and "meta"
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as err:  # torch raises AssertionError when built without CUDA
+        raise ValueError(f"stream_dequantize(device={device!r}): cannot create tensors there ({err})") from err
+    return dev
 
 
 def _stream(state_dict, plan, dtype, device, rows_per_chunk) -> Iterator[tuple[str, torch.Tensor]]:
@@ -95,7 +112,7 @@ def _stream(state_dict, plan, dtype, device, rows_per_chunk) -> Iterator[tuple[s
             continue
         blocks = state_dict.pop(name + "_blocks")
         scales = state_dict.pop(name + "_scales")
-        target_device = torch.device(device) if device is not None else blocks.device
+        target_device = device if device is not None else blocks.device
         out = torch.empty(check_mxfp4(name, blocks.shape, blocks.dtype, scales.shape, scales.dtype),
                           dtype=dtype, device=target_device)
         dequantize_mxfp4(blocks, scales, out=out, rows_per_chunk=rows_per_chunk)

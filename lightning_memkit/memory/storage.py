@@ -51,6 +51,7 @@ __all__ = [
     "tensors_in",
     "unique_storage_bytes",
     "format_bytes",
+    "may_overlap",
     "unexplained_references",
     "storage_object_references",
     "caller_frames",
@@ -136,6 +137,22 @@ def _tensors_in(obj: Any, depth: int, seen: set[int], budget: list[int], attribu
         return
     for child in children[: budget[0]]:
         yield from _tensors_in(child, depth - 1, seen, budget, attributes)
+
+
+def may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an ``expand``ed or overlapping ``as_strided`` view).
+
+    Exact for dense tensors and zero strides; a layout whose strides cannot be ordered so that each
+    exceeds the reach of the smaller ones counts as overlapping (it cannot be proven safe to write).
+    """
+    if t.numel() == 0:
+        return False
+    reach = 0  # the largest element offset reachable through the dimensions with smaller strides
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def unique_storage_bytes(tensors: Any, *, skip: Iterable[int] = ()) -> int:

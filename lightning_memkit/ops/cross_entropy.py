@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from lightning_memkit.memory.storage import may_overlap
 from lightning_memkit.ops._cross_entropy_common import (
     CrossEntropyOptions,
     auto_rows,
@@ -35,6 +36,7 @@ from lightning_memkit.ops._cross_entropy_common import (
     torch_rows,
     triton_kernels,
 )
+from lightning_memkit.validation import check_bool
 
 __all__ = ["cross_entropy"]
 
@@ -142,6 +144,22 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None, None, None
 
 
+def _rows_overlap(logits: torch.Tensor) -> bool:
+    """Whether the ``(N, V)`` rows the forward would write the gradient into share memory (expand, as_strided).
+
+    Mirrors the forward: ``reshape(-1, V)`` (a copy when no view exists) and ``contiguous()`` when the class
+    stride is not 1 (copies never overlap); a view with unit class stride overlaps iff a row stride < ``V``.
+    """
+    v = logits.shape[-1]
+    if v == 0 or logits.numel() == 0:
+        return False
+    try:
+        x = logits.view(-1, v)
+    except RuntimeError:
+        return False
+    return x.stride(-1) == 1 and may_overlap(x)
+
+
 def check_logits_target(logits: torch.Tensor, target: torch.Tensor, logits_name: str = "logits") -> None:
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"{logits_name} must be a floating-point tensor, got {type(logits).__name__}"
@@ -190,7 +208,9 @@ def cross_entropy(
             tensor). Safe only when nothing else reads ``logits`` afterwards: their values are
             replaced, and any op that saved them for its backward raises autograd's "modified by an
             inplace operation" error instead of computing a wrong gradient. The graph can then be
-            differentiated once. Default ``False``.
+            differentiated once. Logits whose rows share memory (``expand``, overlapping ``as_strided``)
+            cannot hold a gradient: ``inplace_backward=True`` on them raises ``ValueError`` (nothing is
+            computed or written); the default out-of-place path handles them. Default ``False``.
         validate: check that every target is in ``[0, V)`` or ``ignore_index`` and raise
             ``ValueError`` otherwise. Costs one host sync on accelerators; with ``validate=False`` a
             bad target yields a NaN loss (and NaN gradient) for its token, never an out-of-bounds read.
@@ -207,8 +227,14 @@ def cross_entropy(
     """
     o = CrossEntropyOptions(ignore_index, label_smoothing, z_loss, softcap, reduction)
     check_logits_target(logits, target)
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
+    check_bool(inplace_backward, "inplace_backward", owner="cross_entropy")
+    check_bool(validate, "validate", owner="cross_entropy")
+    if inplace_backward and _rows_overlap(logits):
+        raise ValueError(
+            f"cross_entropy(inplace_backward=True): logits of shape {tuple(logits.shape)} and strides "
+            f"{logits.stride()} overlap themselves (an expand or as_strided view), so the gradient cannot be "
+            "written over them; pass inplace_backward=False or logits.contiguous()"
+        )
     impl = check_backend(backend, logits.device)
     if validate:
         check_target(target, logits.shape[-1], ignore_index)

@@ -28,10 +28,13 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from lightning_memkit.validation import check_choice, check_int
 
 __all__ = ["padded_index_gather", "padded_rows", "BACKENDS"]
 
@@ -55,8 +58,7 @@ def padded_rows(n: int, pad_to_multiple: int) -> int:
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"padded_index_gather(backend={backend!r}) is not allowed; allowed: {BACKENDS}")
+    check_choice(backend, "backend", BACKENDS, owner="padded_index_gather")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "triton":
         if device.type != "cuda" and not interpret:
@@ -79,7 +81,7 @@ class _PaddedIndexGather(torch.autograd.Function):
         out = input.new_empty(0).set_(buf.untyped_storage(), 0, (n, *rest))  # not a view: owns the storage
         del buf
         if backend == "triton":
-            flat = input.reshape(input.shape[0], -1)
+            flat = input.reshape(input.shape[0], math.prod(rest))  # explicit width: -1 is ambiguous when empty
             if flat.numel() and flat.stride(-1) != 1:
                 flat = flat.contiguous()
             _triton_gather()(flat, index, out.view(n, flat.shape[1]))
@@ -94,10 +96,13 @@ class _PaddedIndexGather(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
         grad_input = grad.new_zeros(ctx.input_shape)
+        if grad.numel() == 0:  # no rows gathered (or empty rows): the gradient is all zeros
+            return grad_input, None, None, None
         # scatter_add_ over an expanded index: one vectorised pass on CPU (index_add_ loops over rows) and
         # about half the time of index_add_ on an H100
-        flat = grad.reshape(grad.shape[0], -1)
-        grad_input.view(grad_input.shape[0], -1).scatter_add_(0, index.long()[:, None].expand_as(flat), flat)
+        width = math.prod(ctx.input_shape[1:])
+        flat = grad.reshape(grad.shape[0], width)
+        grad_input.view(grad_input.shape[0], width).scatter_add_(0, index.long()[:, None].expand_as(flat), flat)
         return grad_input, None, None, None
 
 
@@ -108,7 +113,8 @@ def padded_index_gather(
 
     Args:
         input: ``(N, *rest)`` tensor (tokens).
-        index: 1-D int32/int64 tensor of row numbers in ``[0, N)`` on ``input``'s device; repeats allowed.
+        index: 1-D int32/int64 tensor of row numbers in ``[0, N)`` on ``input``'s device; repeats allowed;
+            may be empty (a ``(0, *rest)`` result whose backward gives ``input`` an all-zero gradient).
         pad_to_multiple: the allocation is ``ceil(len(index) / pad_to_multiple) * pad_to_multiple`` rows.
         backend: ``"auto"`` (``torch.index_select``, the faster copy on every device measured), ``"torch"`` or
             ``"triton"`` (the Triton kernel: CUDA, or CPU
@@ -120,8 +126,7 @@ def padded_index_gather(
     if not isinstance(input, torch.Tensor) or not isinstance(index, torch.Tensor):
         raise TypeError(f"padded_index_gather(input, index) takes tensors, got {type(input).__name__} and "
                         f"{type(index).__name__}")
-    if isinstance(pad_to_multiple, bool) or not isinstance(pad_to_multiple, int) or pad_to_multiple < 1:
-        raise ValueError(f"padded_index_gather(pad_to_multiple={pad_to_multiple!r}) must be an int >= 1")
+    check_int(pad_to_multiple, "pad_to_multiple", minimum=1, owner="padded_index_gather")
     if input.dim() < 1:
         raise ValueError(f"padded_index_gather(input=...) needs at least one dimension, got shape {tuple(input.shape)}")
     if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):

@@ -28,9 +28,11 @@ LightningCLI::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ from torch import nn
 
 from lightning_memkit.ops.lora import LoRAAdapter, check_lora_args
 from lightning_memkit.ops.nosave_matmul import nosave_linear
+from lightning_memkit.validation import check_choice
 
 __all__ = ["NoSaveBitsandbytesPrecision", "MODES"]
 
@@ -210,6 +213,40 @@ def _linear_names(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
 
 
+def _shared_linears(module: nn.Module, quantized: tuple[type, ...]) -> dict[str, list[str]]:
+    """Unquantized Linear layers whose weight or bias another module also holds (a tied LM head), or that sit at two
+    names: ``{name: [the other holders' parameter names]}``. Converting them would untie them (Lightning copies)."""
+    holders: dict[int, list[str]] = defaultdict(list)
+    mods = list(module.named_modules(remove_duplicate=False))
+    for name, m in mods:
+        for pname, p in m.named_parameters(recurse=False):
+            holders[id(p)].append(f"{name}.{pname}" if name else pname)
+    shared: dict[str, list[str]] = {}
+    for name, m in mods:
+        if name and isinstance(m, nn.Linear) and not isinstance(m, quantized):  # the root is never replaced
+            mine = {f"{name}.weight", f"{name}.bias"}
+            others = [h for p in (m.weight, m.bias) if p is not None for h in holders[id(p)] if h not in mine]
+            if others:
+                shared[name] = others
+    return shared
+
+
+@contextlib.contextmanager
+def _detached(module: nn.Module, names: Iterable[str]) -> Iterator[None]:
+    """Put placeholders at ``names`` for the duration (Lightning then cannot replace them); restore on exit."""
+    saved = []
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        saved.append((parent, attr, parent._modules[attr]))
+        parent._modules[attr] = nn.Identity()
+    try:
+        yield
+    finally:
+        for parent, attr, original in saved:
+            parent._modules[attr] = original
+
+
 class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
     """Lightning's ``BitsandbytesPrecision`` with no-save quantized matmuls, CPU support and optional QLoRA.
 
@@ -251,10 +288,7 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         lora_alpha: float = 16,
         lora_dropout: float = 0.0,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(
-                f"NoSaveBitsandbytesPrecision: mode={mode!r} is not supported; allowed: {', '.join(map(repr, MODES))}"
-            )
+        check_choice(mode, "mode", MODES, owner="NoSaveBitsandbytesPrecision")
         parsed = _parse_dtype(dtype) or _default_dtype(mode)
         if parsed not in _ALLOWED_DTYPES[mode]:
             allowed = ", ".join(str(d) for d in _ALLOWED_DTYPES[mode])
@@ -271,7 +305,12 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         self.lora_dropout = float(lora_dropout)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Replace the Linear layers (Lightning's conversion), quantize them where they are, add LoRA adapters."""
+        """Replace the Linear layers (Lightning's conversion), quantize them where they are, add LoRA adapters.
+
+        The whole model is checked first (nothing changes on an error). A Linear layer whose weight or bias is
+        shared with another module (an LM head tied to the embedding) stays an unquantized ``nn.Linear`` so the
+        tie holds; an info log line names it.
+        """
         bnb = _fabric_bnb._import_bitsandbytes()
         ours = tuple(_layer_classes().values())
         foreign = [n for n, m in module.named_modules()
@@ -282,7 +321,15 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
                 f"create ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); pass the unquantized model"
             )
         self._check_ignore_modules(module)
-        module = super().convert_module(module)
+        quantized = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+        shared = {n: h for n, h in _shared_linears(module, quantized).items() if not self._ignored(n)}
+        self._check_not_empty(module, shared)
+        for name, others in shared.items():
+            log.info("NoSaveBitsandbytesPrecision: %r stays an unquantized nn.Linear: its parameters are shared "
+                     "with %s (quantizing would untie them)", name, ", ".join(others))
+        with _detached(module, [n for n, _ in module.named_modules(remove_duplicate=False) if n in shared]):
+            if not shared or any(isinstance(m, nn.Linear) for m in module.modules()):  # else nothing to replace
+                module = super().convert_module(module)
         layers = [m for m in module.modules() if isinstance(m, ours)]
         for layer in layers:
             if not layer.is_quantized and layer.weight.device.type != "meta":
@@ -292,6 +339,23 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
                 layer.add_lora(self.lora_rank, self.lora_alpha, self.lora_dropout)
         log.debug("NoSaveBitsandbytesPrecision: %d Linear layers converted to %s", len(layers), self.mode)
         return module
+
+    def _ignored(self, name: str) -> bool:
+        return any(name.startswith(s) for s in self.ignore_modules)  # Lightning's rule: name prefixes
+
+    def _check_not_empty(self, module: nn.Module, shared: dict[str, list[str]]) -> None:
+        """Every Linear layer that would be quantized has a weight with elements (bitsandbytes divides by it)."""
+        bnb = _fabric_bnb._import_bitsandbytes()
+        if any(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in module.modules()):
+            return  # already converted: Lightning replaces nothing more
+        empty = [f"{n!r} (in_features={m.in_features}, out_features={m.out_features})"
+                 for n, m in module.named_modules()
+                 if isinstance(m, nn.Linear) and m.weight.numel() == 0 and n not in shared and not self._ignored(n)]
+        if empty:
+            raise ValueError(
+                f"NoSaveBitsandbytesPrecision: Linear layer(s) {', '.join(empty)} of {type(module).__name__} have no "
+                "weights, which bitsandbytes cannot quantize; remove them or list them in ignore_modules"
+            )
 
     def _check_ignore_modules(self, module: nn.Module) -> None:
         if not self.ignore_modules:

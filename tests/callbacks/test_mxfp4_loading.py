@@ -106,7 +106,7 @@ def test_bad_arguments(checkpoint, tmp_path):
     path, _, _ = checkpoint
     with pytest.raises(ValueError, match="path='.*missing.safetensors' does not exist"):
         MXFP4CheckpointLoader(str(tmp_path / "missing.safetensors"))
-    with pytest.raises(ValueError, match="rows_per_chunk=-1 must be a positive int"):
+    with pytest.raises(ValueError, match=r"MXFP4CheckpointLoader\(rows_per_chunk=-1\): must be an int >= 1 or None"):
         MXFP4CheckpointLoader(str(path), rows_per_chunk=-1)
     with pytest.raises(ValueError, match="submodule='nope' is not a submodule of Model"):
         _trainer(MXFP4CheckpointLoader(str(path), submodule="nope")).fit(Model())

@@ -149,7 +149,7 @@ def test_bad_inputs_name_the_tensor():
         dequantize_mxfp4(blocks, scales, out=torch.empty(2, 32, 4, device="meta"))
     with pytest.raises(ValueError, match="dtype=torch.int32 is not allowed"):
         dequantize_mxfp4(blocks, scales, dtype=torch.int32)
-    with pytest.raises(ValueError, match="rows_per_chunk=0 must be a positive int"):
+    with pytest.raises(ValueError, match=r"rows_per_chunk=0: must be an int >= 1 or None"):
         dequantize_mxfp4(blocks, scales, rows_per_chunk=0)
 
 

@@ -77,19 +77,20 @@ def _close(actual, expected, dtype):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"mode": "nf8"}, ValueError, r"mode='nf8' is not supported; allowed: 'nf4', 'nf4-dq', 'fp4', 'fp4-dq', "
-                                      r"'int8'"),
-        ({"mode": "int8-training"}, ValueError, "mode='int8-training' is not supported"),
+        ({"mode": "nf8"}, ValueError, r"NoSaveBitsandbytesPrecision\(mode='nf8'\): must be one of 'nf4', 'nf4-dq', "
+                                      r"'fp4', 'fp4-dq', 'int8'"),
+        ({"mode": "int8-training"}, ValueError, r"mode='int8-training'\): must be one of"),
         ({"mode": "int8", "dtype": "bfloat16"}, ValueError, r"dtype='bfloat16' cannot run with mode='int8'; allowed: "
                                                            r"torch.float16"),
         ({"mode": "nf4", "dtype": torch.float64}, ValueError, "dtype=torch.float64 cannot run with mode='nf4'"),
         ({"mode": "nf4", "dtype": "bfloat61"}, ValueError, "dtype='bfloat61' is not a torch dtype name"),
         ({"mode": "nf4", "dtype": 16}, TypeError, "dtype must be None, a str or a torch.dtype, got int"),
-        ({"mode": "nf4", "lora_rank": -1}, ValueError, r"lora_rank=-1 must be >= 0"),
-        ({"mode": "nf4", "lora_rank": 2.0}, TypeError, "lora_rank must be an int, got float"),
-        ({"mode": "nf4", "lora_rank": 4, "lora_alpha": 0}, ValueError, "lora_alpha=0 must be a finite number > 0"),
-        ({"mode": "nf4", "lora_rank": 4, "lora_dropout": 1.0}, ValueError, r"lora_dropout=1.0 must be a number in "
-                                                                           r"\[0, 1\)"),
+        ({"mode": "nf4", "lora_rank": -1}, ValueError, r"NoSaveBitsandbytesPrecision\(lora_rank=-1\): must be an "
+                                                       r"int >= 0"),
+        ({"mode": "nf4", "lora_rank": 2.0}, TypeError, r"lora_rank=2.0\): must be an int >= 0, got float"),
+        ({"mode": "nf4", "lora_rank": 4, "lora_alpha": 0}, ValueError, r"lora_alpha=0\): must be a finite number > 0"),
+        ({"mode": "nf4", "lora_rank": 4, "lora_dropout": 1.0}, ValueError, r"lora_dropout=1.0\): must be a finite "
+                                                                           r"number >= 0 and < 1"),
         ({"mode": "nf4", "ignore_modules": "head"}, TypeError, "ignore_modules must be a set or list of module names"),
         ({"mode": "nf4", "ignore_modules": ["head", 3]}, TypeError, "ignore_modules entries must be non-empty str"),
     ],
