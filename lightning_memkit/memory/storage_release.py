@@ -66,6 +66,7 @@ from lightning_memkit.memory.live_peak import note_storage_resized
 from lightning_memkit.memory.referrers import find_referrers
 from lightning_memkit.memory.storage import (
     caller_frames,
+    has_storage,
     iter_tensors,
     storage_key,
     storage_object_references,
@@ -235,16 +236,12 @@ def _find_saves(t: torch.Tensor, roots: list[Any], min_seq: int | None) -> tuple
                 hooked = raw.unpack_hook is not None
             else:
                 data, hooked = raw, False
-            hit = any(_has_storage(x) and storage_key(x) == key for x in iter_tensors(data))
+            hit = any(has_storage(x) and storage_key(x) == key for x in iter_tensors(data))
             if hit:
                 saves.append(_Save(cls, name, (cls, name) in METADATA_ONLY_SAVES))
             elif hooked:
                 opaque.append(f"{cls}.{name}")
     return saves, opaque
-
-
-def _has_storage(x: torch.Tensor) -> bool:
-    return x.layout == torch.strided and not x.is_nested and x.device.type != "meta"
 
 
 def verify_release(
@@ -265,7 +262,7 @@ def verify_release(
     key = storage_key(t)
     reasons: list[str] = []
     for i, o in enumerate(outs):
-        if _has_storage(o) and storage_key(o) == key:
+        if has_storage(o) and storage_key(o) == key:
             what = "is the tensor itself" if o is t else "shares its storage"
             reasons.append(f"output {i} of its consumers {what} (the consumer returned its input or a view of it, "
                            "as an exchange does with expert parallelism off), so later stages still read it")
@@ -356,7 +353,7 @@ def _forget(key: int) -> None:
 
 def _poison(t: torch.Tensor, site: str) -> None:
     storage = t.untyped_storage()
-    key = storage._cdata
+    key = storage_key(storage)
     _POISONED.pop(key, None)  # a poisoned storage re-poisoned: not a read
     storage.fill_(POISON_BYTE)
     _POISONED[key] = _PoisonEntry(weakref.ref(storage, lambda _r, key=key: _forget(key)), site, _describe(t))
@@ -364,7 +361,7 @@ def _poison(t: torch.Tensor, site: str) -> None:
 
 def _check_poisoned(tensors: Iterable[torch.Tensor], what: str) -> None:
     for x in tensors:
-        if not _has_storage(x):
+        if not has_storage(x):
             continue
         entry = _POISONED.get(storage_key(x))
         if entry is not None and entry.ref() is not None:
