@@ -13,8 +13,9 @@ rank's stages (the other layers move to the ``meta`` device) and restricts every
 parameters. ``training_step`` runs the whole microbatched forward and backward through the schedule and
 returns the mean loss (broadcast from the last stage, logged as ``train_loss``); Lightning's own
 backward is skipped (its ``on_before_backward``/``on_after_backward`` hooks still run). Validation and
-test run forward only and log ``val_loss``/``test_loss``. Checkpoints are directories with one shard per
-rank plus ``meta.json``; resuming restores the same split.
+test run forward only and log ``val_loss``/``test_loss``. Checkpoints are crash-consistent directories (one
+shard per rank, committed by a ``manifest.json``; see :mod:`lightning_memkit.pipeline.checkpoint`); resuming
+restores the same split.
 
 The LightningModule's own ``training_step``/``validation_step`` are not called, and after ``fit`` each
 rank holds only its layers (:func:`load_pipeline_state_dict` merges a checkpoint's shards).
@@ -31,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import atexit
-import json
 import pickle
 import shutil
 from collections.abc import Mapping, Sequence
@@ -59,23 +59,59 @@ from lightning_memkit.pipeline import (
     static_cost,
     uniform_partition,
 )
+from lightning_memkit.pipeline import checkpoint as ckpt_format
 from lightning_memkit.pipeline.runtime import (
     PipelineRuntime,
     check_microbatches,
     measure_pipeline_costs,
     split_batch_size,
 )
+from lightning_memkit.validation import ArgumentTypeError, check_int, check_number
 
 __all__ = ["MemkitPipelineStrategy", "load_pipeline_state_dict", "PROTOCOL"]
 
 PROTOCOL = ("pipeline_layers", "pipeline_loss")
 _METHODS = ("memory", "uniform", "parameters")
-_META = "meta.json"
-_FORMAT = "memkit_pipeline"
+_OWNER = "MemkitPipelineStrategy"
 
 
-def _shard_name(rank: int) -> str:
-    return f"rank_{rank:05d}.ckpt"
+def _check_schedule(schedule: Any) -> str:
+    if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not supported; allowed: {', '.join(map(repr, SCHEDULES))}")
+    return schedule.lower()
+
+
+def _check_partition(partition: Any) -> str | list[int]:
+    if isinstance(partition, str):
+        if partition not in _METHODS:
+            raise ValueError(
+                f"partition={partition!r} is not supported; allowed: {', '.join(map(repr, _METHODS))} or a "
+                "list of layers per stage"
+            )
+        return partition
+    if isinstance(partition, Sequence) and partition and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in partition
+    ):
+        return list(partition)
+    raise ValueError(
+        f"partition={partition!r} must be one of {', '.join(map(repr, _METHODS))} or a non-empty list of "
+        "ints >= 1 (layers per stage)"
+    )
+
+
+def _check_timeout(timeout: Any) -> timedelta:
+    """``timeout`` as a ``timedelta``: ``None`` (Lightning's default), or a finite number of seconds > 0."""
+    if timeout is None:
+        return default_pg_timeout
+    if isinstance(timeout, timedelta):
+        check_number(timeout.total_seconds(), "timeout", minimum=0, min_inclusive=False, owner=_OWNER)
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ArgumentTypeError(
+            f"{_OWNER}(timeout={timeout!r}): must be seconds (a finite number > 0), a timedelta or None, "
+            f"got {type(timeout).__name__}"
+        )
+    return timedelta(seconds=check_number(timeout, "timeout", minimum=0, min_inclusive=False, owner=_OWNER))
 
 
 class MemkitPipelineStrategy(ParallelStrategy):
@@ -94,8 +130,8 @@ class MemkitPipelineStrategy(ParallelStrategy):
         max_bytes_per_rank: with ``partition="memory"``, fail at setup if the best split needs more.
         fused_loss: the last layer is an ``nn.Linear`` LM head whose loss runs through
             ``lightning_memkit.ops.linear_cross_entropy`` (no logits); ``pipeline_loss`` is then unused.
-        timeout: process-group timeout in seconds (or a ``timedelta``): a rank that stops answering makes
-            the others fail after this long instead of hanging.
+        timeout: process-group timeout, a finite number of seconds > 0 (or a positive ``timedelta``): a rank
+            that stops answering makes the others fail after this long instead of hanging.
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
         start_method: how Lightning starts the processes (``"popen"`` re-runs the script, ``"spawn"``...).
 
@@ -141,48 +177,22 @@ class MemkitPipelineStrategy(ParallelStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
-        if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not supported; allowed: {', '.join(map(repr, SCHEDULES))}")
-        schedule = schedule.lower()
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
-        if isinstance(partition, str):
-            if partition not in _METHODS:
-                raise ValueError(
-                    f"partition={partition!r} is not supported; allowed: {', '.join(map(repr, _METHODS))} or a "
-                    "list of layers per stage"
-                )
-        elif isinstance(partition, Sequence) and partition and all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in partition
-        ):
-            partition = list(partition)
-        else:
-            raise ValueError(
-                f"partition={partition!r} must be one of {', '.join(map(repr, _METHODS))} or a non-empty list of "
-                "ints >= 1 (layers per stage)"
-            )
+        schedule = _check_schedule(schedule)
+        microbatches = check_int(microbatches, "microbatches", minimum=1, owner=_OWNER)
+        partition = _check_partition(partition)
         v = resolve_stages_per_rank(schedule, stages_per_rank)
         if v > 2 and partition == "memory":
             raise ValueError(
                 f"stages_per_rank={v} with partition='memory' is not supported (the exact search handles 2); "
                 "pass partition='uniform', 'parameters' or explicit sizes"
             )
-        if max_bytes_per_rank is not None and (
-            isinstance(max_bytes_per_rank, bool) or not isinstance(max_bytes_per_rank, int) or max_bytes_per_rank < 1
-        ):
-            raise ValueError(f"max_bytes_per_rank={max_bytes_per_rank!r} must be a positive int (bytes) or None")
+        max_bytes_per_rank = check_int(max_bytes_per_rank, "max_bytes_per_rank", minimum=1, allow_none=True,
+                                       owner=_OWNER)
         if max_bytes_per_rank is not None and partition != "memory":
             raise ValueError("max_bytes_per_rank needs partition='memory' (the only method that predicts peaks)")
         if not isinstance(fused_loss, bool):
             raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
-        if timeout is None:
-            timeout = default_pg_timeout
-        elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            if timeout <= 0:
-                raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
-            timeout = timedelta(seconds=timeout)
-        elif not isinstance(timeout, timedelta):
-            raise TypeError(f"timeout must be seconds (a number) or a timedelta, got {type(timeout).__name__}")
+        timeout = _check_timeout(timeout)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'")
         super().__init__(
@@ -482,38 +492,67 @@ class MemkitPipelineStrategy(ParallelStrategy):
         return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.device.type == "meta")}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write ``filepath/`` with one shard per rank (``rank_00000.ckpt``, ...) and ``meta.json``."""
+        """Write ``filepath/`` crash-consistently: every rank's shard, a barrier, then rank 0's ``manifest.json``.
+
+        Overwriting a checkpoint in place (``last.ckpt``) never touches the shards the committed manifest lists;
+        a crash anywhere in between leaves the previous save loadable (:mod:`lightning_memkit.pipeline.checkpoint`).
+        The shards are written by that module, not by a ``checkpoint_io`` plugin.
+        """
+        if storage_options is not None:
+            raise TypeError(f"{_OWNER}.save_checkpoint does not take storage_options (got {storage_options!r})")
         path = Path(filepath)
         if path.is_file():
             raise ValueError(f"{path} is a file; a memkit_pipeline checkpoint is a directory of per-rank shards")
-        self.checkpoint_io.save_checkpoint(checkpoint, path / _shard_name(self.global_rank), storage_options)
-        if self.is_global_zero and self.partition is not None:
-            meta = {
-                "format": _FORMAT,
-                "version": 1,
-                "world_size": self.world_size,
-                "schedule": self.partition.schedule,
-                "microbatches": self.partition.microbatches,
-                "stages_per_rank": self.partition.stages_per_rank,
-                "sizes": list(self.partition.sizes),
-            }
-            (path / _META).write_text(json.dumps(meta, indent=2) + "\n")
+        if self.partition is None:
+            raise RuntimeError("MemkitPipelineStrategy is not set up: there is no partition to checkpoint yet")
+        save_id = self.broadcast(ckpt_format.new_save_id() if self.is_global_zero else None, src=0)
+        ckpt_format.save_sharded(
+            path, checkpoint, rank=self.global_rank, world_size=self.world_size,
+            global_step=int(checkpoint.get("global_step", 0)), epoch=int(checkpoint.get("epoch", 0)),
+            save_id=save_id, meta=self._partition_meta(), barrier=self.barrier, all_gather=self._all_gather_object,
+        )
+
+    def _partition_meta(self) -> dict[str, Any]:
+        part = self.partition
+        assert part is not None
+        return {"schedule": part.schedule, "microbatches": part.microbatches, "stages_per_rank": part.stages_per_rank,
+                "sizes": list(part.sizes)}
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """This rank's shard after checking the whole checkpoint; every rank raises if any rank finds it bad."""
         path = Path(checkpoint_path)
-        meta = _read_meta(path)
-        if meta["world_size"] != self.world_size:
+        checkpoint, error = None, None
+        try:
+            checkpoint = self._load_own_shard(path, weights_only)
+        except Exception as err:  # noqa: BLE001 - shared with every rank below, so that none goes on alone
+            error = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        failures = [e for e in self._all_gather_object(error) if e is not None]
+        if failures:
+            raise ckpt_format.CheckpointError(path, f"cannot resume: {failures[0]}")
+        return checkpoint
+
+    def _load_own_shard(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        manifest = ckpt_format.verify_checkpoint(path, hash_ranks=(self.global_rank,))
+        meta = manifest["meta"]
+        if manifest["world_size"] != self.world_size:
             raise ValueError(
-                f"{path} was saved by {meta['world_size']} pipeline ranks; this run has {self.world_size}. Merge the "
-                "shards with load_pipeline_state_dict() to load them elsewhere"
+                f"{path} was saved by {manifest['world_size']} pipeline ranks; this run has {self.world_size}. "
+                "Merge the shards with load_pipeline_state_dict() to load them elsewhere"
             )
-        if meta["schedule"] != self.schedule or meta["stages_per_rank"] != self.stages_per_rank:
+        if meta.get("schedule") != self.schedule or meta.get("stages_per_rank") != self.stages_per_rank:
             raise ValueError(
-                f"{path} holds stages for schedule={meta['schedule']!r} ({meta['stages_per_rank']} per rank); this "
-                f"strategy uses schedule={self.schedule!r} ({self.stages_per_rank} per rank)"
+                f"{path} holds stages for schedule={meta.get('schedule')!r} ({meta.get('stages_per_rank')} per "
+                f"rank); this strategy uses schedule={self.schedule!r} ({self.stages_per_rank} per rank)"
             )
+        checkpoint = ckpt_format.load_shard(path, self.global_rank, manifest=manifest, weights_only=weights_only)
         self._restored = meta
-        checkpoint = self.checkpoint_io.load_checkpoint(path / _shard_name(self.global_rank), weights_only=weights_only)
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -595,28 +634,15 @@ def _rng_devices(device: torch.device) -> list[int]:
     return [device.index or 0] if device.type == "cuda" else []
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    meta_file = path / _META
-    if not meta_file.is_file():
-        raise ValueError(f"{path} is not a memkit_pipeline checkpoint (no {_META} with per-rank shards)")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"{meta_file} is not a memkit_pipeline checkpoint description")
-    return meta
-
-
 def load_pipeline_state_dict(path: _PATH) -> dict[str, torch.Tensor]:
     """Merge the per-rank shards of a memkit_pipeline checkpoint into one full ``state_dict`` (on CPU).
+
+    Every shard is checked first (present, listed size and sha256, same save): a bad or incomplete checkpoint
+    raises :class:`~lightning_memkit.pipeline.checkpoint.CheckpointError` (a ``ValueError``) naming the file.
 
     Example::
 
         model = MyLM()
         model.load_state_dict(load_pipeline_state_dict("checkpoints/epoch=0-step=100.ckpt"))
     """
-    path = Path(path)
-    meta = _read_meta(path)
-    merged: dict[str, torch.Tensor] = {}
-    for rank in range(meta["world_size"]):
-        shard = torch.load(path / _shard_name(rank), map_location="cpu", weights_only=False)
-        merged.update(shard["state_dict"])
-    return merged
+    return ckpt_format.merge_state_dicts(path, key="state_dict", weights_only=False)  # as before: a trusted file

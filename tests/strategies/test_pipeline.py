@@ -44,15 +44,20 @@ def test_trainer_resolves_the_name_without_splitting_the_data():
     ("kwargs", "error", "match"),
     [
         ({"schedule": "pipedream"}, ValueError, "schedule='pipedream' is not supported"),
-        ({"microbatches": 0}, ValueError, "microbatches=0 must be an int >= 1"),
+        ({"microbatches": 0}, ValueError, r"MemkitPipelineStrategy\(microbatches=0\): must be an int >= 1"),
+        ({"max_bytes_per_rank": 0}, ValueError, r"\(max_bytes_per_rank=0\): must be an int >= 1 or None"),
         ({"partition": "greedy"}, ValueError, "partition='greedy' is not supported"),
         ({"partition": [2, 0]}, ValueError, "must be one of"),
         ({"schedule": "zbv", "stages_per_rank": 3}, ValueError, "stages_per_rank=3 does not fit schedule='zbv'"),
         ({"schedule": "interleaved_1f1b", "stages_per_rank": 3}, ValueError, "partition='memory' is not supported"),
         ({"partition": "uniform", "max_bytes_per_rank": 10}, ValueError, "max_bytes_per_rank needs partition='memory'"),
         ({"fused_loss": 1}, TypeError, "fused_loss must be a bool"),
-        ({"timeout": -1}, ValueError, "timeout=-1 must be > 0 seconds"),
-        ({"timeout": "soon"}, TypeError, "timeout must be seconds"),
+        ({"timeout": -1}, ValueError, r"\(timeout=-1\): must be a finite number > 0"),
+        ({"timeout": 0}, ValueError, r"\(timeout=0\): must be a finite number > 0"),
+        ({"timeout": float("nan")}, ValueError, r"\(timeout=nan\): must be a finite number > 0"),
+        ({"timeout": float("inf")}, ValueError, r"\(timeout=inf\): must be a finite number > 0"),
+        ({"timeout": timedelta(0)}, ValueError, r"\(timeout=0.0\): must be a finite number > 0"),
+        ({"timeout": "soon"}, TypeError, r"\(timeout='soon'\): must be seconds"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, match):
