@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import gc
 import pickle
 import shutil
 from collections.abc import Mapping, Sequence
@@ -609,6 +610,7 @@ def _destroy_process_group_at_exit() -> None:
 
     def destroy() -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            gc.collect()  # finished work objects (and the Python callbacks they hold) go while Python still runs
             torch.distributed.destroy_process_group()
 
     atexit.register(destroy)
