@@ -235,6 +235,8 @@ def _walk(targets: list[Any], ignore: set[int], max_depth: int, max_holders: int
             keep.append(ref)
             named = _is_named(ref)
             for child in gc.get_referents(ref) if not isinstance(ref, types.FrameType) else _frame_refs(ref, by_id):
+                if isinstance(ref, types.FunctionType) and child is ref.__globals__:
+                    continue  # a function only reads its module's namespace: the module is the holder
                 for i, path in by_id.get(id(child), ()):
                     if len(found[i]) >= max_holders or id(ref) in seen[i]:
                         continue

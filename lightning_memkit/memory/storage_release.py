@@ -56,6 +56,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from inspect import CO_OPTIMIZED
 from typing import Any
 
 import torch
@@ -306,17 +307,33 @@ def _python_holders(t: torch.Tensor, held_by: Any) -> list[str]:
         return []
     rows = []
     if NAME_HOLDERS:
-        ignore = [*held_by, *caller_frames()]
+        frames = caller_frames()
+        # a running script's (or doctest's) globals are its frame's locals: the caller's own, not a holder
+        own = _script_globals(frames, t)
+        ignore = [*held_by, *frames]
+        frames = None
         try:
-            report = find_referrers(t, min_bytes=0, ignore=ignore, max_holders=3, max_depth=3)
+            report = find_referrers(t, min_bytes=0, ignore=ignore, max_holders=4, max_depth=3)
         finally:
             ignore.clear()  # it holds this very frame: no cycle may keep t alive after a refusal
-        rows = [r for r in report if r.holder != "(no Python holder)"]
+        rows = [r for r in report if r.holder != "(no Python holder)" and r.path not in own]
     named = "; ".join(f"{r.path} [{r.holder}]" for r in rows[:3])
     where = (f"held by {named}" if named else "held where Python cannot see it: a saved_tensors_hooks pack "
              "(torch.autograd.graph.save_on_cpu packs a CPU tensor itself), a C++ extension, or a temporary "
              "of a call in progress (a loop over a list of tensors: pop them from the list instead)")
     return [f"{extra} other Python reference(s) to the tensor may read it later: {where}"]
+
+
+def _script_globals(frames: list[Any], t: torch.Tensor) -> set[str]:
+    """``module NAME.var`` paths of ``t`` in the namespaces of running module-level frames (plain loops: a
+    comprehension would capture ``t`` in a cell of the caller)."""
+    paths = set()
+    for f in frames:
+        if not f.f_code.co_flags & CO_OPTIMIZED:
+            for k, v in f.f_locals.items():
+                if v is t:
+                    paths.add(f"module {f.f_globals.get('__name__')}.{k}")
+    return paths
 
 
 # -- poisoning -------------------------------------------------------------------------------------------
