@@ -37,7 +37,7 @@ from lightning_memkit.memory.activation_recompute import (
 from lightning_memkit.memory.checkpoint_plan import CheckpointPlan, layer_savings, plan_checkpointing, predicted_peak
 from lightning_memkit.memory.live_peak import LivePeak
 from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
-from lightning_memkit.memory.storage import iter_tensors, storage_key
+from lightning_memkit.memory.storage import unique_storage_bytes
 from lightning_memkit.validation import check_int
 
 __all__ = ["ActivationCheckpointing"]
@@ -54,18 +54,6 @@ def _strategy_kind(strategy: Any) -> str | None:
         if cls.__name__ in _OWN_POLICY:
             return cls.__name__
     return None
-
-
-def _unique_bytes(obj: Any) -> int:
-    seen, total = set(), 0
-    for t in iter_tensors(obj):
-        if t.device.type == "meta" or t.is_sparse or t.layout != torch.strided:
-            continue
-        key = storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -327,6 +315,6 @@ class ActivationCheckpointing(Callback):
     @staticmethod
     def _input_counter(name: str, counts: Counter) -> Callable:
         def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
-            counts[name] += _unique_bytes((args, kwargs))
+            counts[name] += unique_storage_bytes((args, kwargs))
 
         return hook

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_memkit.memory.live_peak import LivePeak
 from lightning_memkit.memory.referrers import ReferrerReport, find_referrers, tensors_with_storages
 from lightning_memkit.memory.release import empty_device_cache, release_optimizer_state
-from lightning_memkit.memory.storage import storage_key, tensors_in
+from lightning_memkit.memory.storage import has_storage, storage_key, tensors_in
 from lightning_memkit.validation import check_int
 
 __all__ = ["PhaseMemoryRelease", "PhaseReleaseResult", "MemoryRetainedError", "drop_model_log_refs"]
@@ -71,13 +71,7 @@ def drop_model_log_refs(callbacks: Iterable[Callback], pl_module: LightningModul
 
 
 def _keys(tensors: Iterable[torch.Tensor]) -> set[int]:
-    keys = set()
-    for t in tensors:
-        try:
-            keys.add(storage_key(t))
-        except (RuntimeError, NotImplementedError):
-            continue
-    return keys
+    return {storage_key(t) for t in tensors if has_storage(t)}
 
 
 class PhaseMemoryRelease(Callback):
