@@ -12,13 +12,15 @@ Two tools for the moment a phase (fit, validate, test, a fold of a sweep) is ove
 Example::
 
     >>> import torch
-    >>> from lightning_memkit.memory import release_optimizer_state
-    >>> w = torch.nn.Parameter(torch.randn(256, 256))
-    >>> opt = torch.optim.Adam([w])
-    >>> w.grad = torch.ones_like(w)
+    >>> from lightning_memkit.memory import empty_device_cache, release_optimizer_state
+    >>> model = torch.nn.Linear(256, 256)
+    >>> opt = torch.optim.AdamW(model.parameters())
+    >>> model(torch.randn(4, 256)).sum().backward()
     >>> opt.step()
-    >>> release_optimizer_state(opt)  # exp_avg + exp_avg_sq + step, all freed
-    524292
+    >>> release_optimizer_state(opt)  # exp_avg, exp_avg_sq and step of weight and bias
+    526344
+    >>> empty_device_cache("cpu")     # nothing cached on CPU
+    0
 """
 
 from __future__ import annotations
