@@ -2,6 +2,7 @@
 
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.allocator_warmup_guard import AllocatorWarmupGuard
+from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
 from lightning_memkit.callbacks.mxfp4_loading import MXFP4CheckpointLoader
 from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
 from lightning_memkit.callbacks.phase_memory_release import PhaseMemoryRelease
@@ -12,6 +13,7 @@ __all__ = [
     "ActivationCheckpointing",
     "PhaseMemoryRelease",
     "AllocatorWarmupGuard",
+    "FusedLinearCrossEntropy",
     "MXFP4CheckpointLoader",
     "PeakMemoryMonitor",
     "SavedTensorProfiler",

@@ -1,0 +1,88 @@
+"""Compute the HF causal-LM loss without materializing the logits, for the whole of ``fit``.
+
+Example::
+
+    from lightning import Trainer
+    from lightning_memkit.callbacks import FusedLinearCrossEntropy
+
+    trainer = Trainer(callbacks=[FusedLinearCrossEntropy()])
+    trainer.fit(module)   # module (or an attribute of it) is a transformers causal LM called with labels
+
+YAML (LightningCLI)::
+
+    trainer:
+      callbacks:
+        - class_path: lightning_memkit.callbacks.FusedLinearCrossEntropy
+          init_args: {chunk_size: auto}
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+
+from lightning_memkit.validation import check_choice, check_int
+
+__all__ = ["FusedLinearCrossEntropy"]
+
+
+def find_causal_lms(pl_module: Any) -> list[Any]:
+    """The HF causal LMs of ``pl_module``: itself if it is a ``PreTrainedModel``, else its attributes that are."""
+    from transformers import PreTrainedModel
+
+    if isinstance(pl_module, PreTrainedModel):
+        return [pl_module]
+    found = [m for m in vars(pl_module).get("_modules", {}).values()
+             if isinstance(m, PreTrainedModel) and hasattr(m, "lm_head")]
+    if not found:
+        raise ValueError(f"FusedLinearCrossEntropy: {type(pl_module).__name__} is not a transformers PreTrainedModel "
+                         "and has no attribute that is a PreTrainedModel with an `lm_head`")
+    return found
+
+
+class FusedLinearCrossEntropy(Callback):
+    """Applies :func:`~lightning_memkit.hf.fused_linear_cross_entropy` from ``on_fit_start`` to ``on_fit_end``.
+
+    The HF model is the LightningModule itself if it is a ``PreTrainedModel``, else each of its direct
+    child modules that is a ``PreTrainedModel`` with an ``lm_head``. Calls with ``labels`` then return
+    ``logits=None``; calls without ``labels`` are unchanged.
+
+    Args:
+        chunk_size: tokens per chunk, or ``"auto"``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+    """
+
+    def __init__(self, chunk_size: int | str = "auto", backend: str = "auto") -> None:
+        self.chunk_size = check_int(chunk_size, "chunk_size", minimum=1, also=("auto",),
+                                    owner="FusedLinearCrossEntropy")
+        self.backend = check_choice(backend, "backend", ("auto", "torch", "triton"), owner="FusedLinearCrossEntropy")
+        self._stack: contextlib.ExitStack | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_memkit.hf import fused_linear_cross_entropy
+
+        self._exit()
+        models = find_causal_lms(pl_module)
+        stack = contextlib.ExitStack()
+        try:
+            for model in models:
+                stack.enter_context(fused_linear_cross_entropy(model, chunk_size=self.chunk_size,
+                                                               backend=self.backend))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._exit()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._exit()
+
+    def _exit(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()

@@ -1,0 +1,166 @@
+"""HF causal-LM loss through :func:`~lightning_memkit.ops.linear_cross_entropy`: no ``(B, T, V)`` logits.
+
+Under ``with fused_linear_cross_entropy(model):`` a forward called with ``labels`` runs the decoder,
+then computes HF's causal-LM loss (labels shifted by one, ``-100`` ignored, mean over kept tokens, or
+``sum / num_items_in_batch`` when that is passed) from the final hidden states and the ``lm_head``
+weight, chunk by chunk. The output's ``logits`` are ``None``. MoE models add the router auxiliary
+loss exactly as their own forward does. Without ``labels`` the original forward runs unchanged.
+
+Only the model *instance*'s ``forward`` is patched; it is restored on exit, exceptions included.
+
+Example::
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from lightning_memkit.hf import fused_linear_cross_entropy
+    >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    ...                   num_key_value_heads=1, vocab_size=64)
+    >>> model = LlamaForCausalLM(cfg)
+    >>> ids = torch.randint(0, 64, (2, 8))
+    >>> with fused_linear_cross_entropy(model):
+    ...     out = model(input_ids=ids, labels=ids)
+    >>> out.logits is None, out.loss.shape
+    (True, torch.Size([]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lightning_memkit.ops import linear_cross_entropy
+from lightning_memkit.validation import check_choice, check_int
+
+__all__ = ["fused_linear_cross_entropy"]
+
+_LOSS_ONLY_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+
+def _check_model(model: Any) -> None:
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"fused_linear_cross_entropy(model=...): must be a transformers PreTrainedModel, "
+                        f"got {type(model).__name__}")
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"fused_linear_cross_entropy(model=...): {type(model).__name__} has no `lm_head` "
+                        f"nn.Linear (got {type(head).__name__}); only causal LMs are supported")
+    if model.base_model is model:
+        raise TypeError(f"fused_linear_cross_entropy(model=...): {type(model).__name__} has no base model")
+    if _router_aux_enabled(model, None) and _aux_loss_fn(model) is None:
+        raise ValueError(f"fused_linear_cross_entropy(model=...): config.output_router_logits=True but "
+                         f"{type(model).__module__} has no load_balancing_loss_func to reproduce the aux loss")
+
+
+def _aux_loss_fn(model: Any):
+    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+
+
+def _router_aux_enabled(model: Any, requested: bool | None) -> bool:
+    if requested is not None:
+        return bool(requested)
+    return bool(getattr(model.config, "output_router_logits", False))
+
+
+def _bind(original, args: tuple, kwargs: dict) -> dict:
+    """All call arguments by name (``**kwargs`` flattened)."""
+    sig = inspect.signature(original)
+    bound = sig.bind(*args, **kwargs)
+    params = dict(bound.arguments)
+    for p in sig.parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            params.update(params.pop(p.name, {}))
+    return params
+
+
+def _lm_loss(model, hidden, labels, params, chunk_size, backend) -> torch.Tensor:
+    """HF ``ForCausalLMLoss`` on ``hidden @ lm_head.weight.T`` without the logits."""
+    ignore_index = params.get("ignore_index", -100)
+    shift_labels = params.get("shift_labels")
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    n_items = params.get("num_items_in_batch")
+    head = model.lm_head
+    loss = linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
+        bias=head.bias, ignore_index=ignore_index, softcap=getattr(model.config, "final_logit_softcapping", None),
+        reduction="mean" if n_items is None else "sum", chunk_size=chunk_size, backend=backend,
+    )
+    if n_items is not None:
+        loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
+    return loss
+
+
+def _aux_loss(model, router_logits, attention_mask) -> torch.Tensor:
+    return _aux_loss_fn(model)(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+
+
+def _fused_forward(model, params: dict, labels, chunk_size, backend):
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+    from transformers.modeling_utils import slice_logits_to_keep
+
+    logits_to_keep = params.pop("logits_to_keep", 0)
+    return_dict = params.pop("return_dict", None)
+    loss_kwargs = {k: params.pop(k) for k in _LOSS_ONLY_KWARGS if k in params}
+    moe = hasattr(model.config, "output_router_logits")
+    router = _router_aux_enabled(model, params.pop("output_router_logits", None))
+    if moe:
+        params["output_router_logits"] = router
+    outputs = model.base_model(**params)
+    hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+    loss = _lm_loss(model, hidden, labels, loss_kwargs, chunk_size, backend)
+    common = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    if moe:
+        aux = _aux_loss(model, outputs.router_logits, params.get("attention_mask")) if router else None
+        if aux is not None:
+            loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+        common["loss"] = loss
+        out = MoeCausalLMOutputWithPast(aux_loss=aux, router_logits=outputs.router_logits, **common)
+    else:
+        out = CausalLMOutputWithPast(**common)
+    return out.to_tuple() if return_dict is False else out
+
+
+@contextlib.contextmanager
+def fused_linear_cross_entropy(
+    model: Any, *, chunk_size: int | str = "auto", backend: str = "auto"
+) -> Iterator[Any]:
+    """Within the block, ``model(..., labels=...)`` computes its loss without materializing the logits.
+
+    Args:
+        model: a transformers causal LM (``PreTrainedModel`` with an ``lm_head`` and a base model).
+        chunk_size: tokens per chunk of :func:`~lightning_memkit.ops.linear_cross_entropy`, or ``"auto"``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (as in ``linear_cross_entropy``).
+
+    Yields the model. ``config.final_logit_softcapping`` is applied as ``softcap``; MoE router aux
+    loss (``output_router_logits``) is added as HF does. See the module docstring for an example.
+    """
+    _check_model(model)
+    check_int(chunk_size, "chunk_size", minimum=1, also=("auto",), owner="fused_linear_cross_entropy")
+    check_choice(backend, "backend", ("auto", "torch", "triton"), owner="fused_linear_cross_entropy")
+    had_own = "forward" in model.__dict__
+    previous = model.__dict__.get("forward")
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        params = _bind(original, args, kwargs)
+        labels = params.pop("labels", None)
+        if labels is None:
+            return original(*args, **kwargs)
+        return _fused_forward(model, params, labels, chunk_size, backend)
+
+    model.forward = forward
+    try:
+        yield model
+    finally:
+        if had_own:
+            model.forward = previous
+        else:
+            del model.forward
