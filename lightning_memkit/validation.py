@@ -37,12 +37,19 @@ def _label(name: str, value: Any, owner: str | None) -> str:
     return f"{owner}({name}={value!r})" if owner else f"{name}={value!r}"
 
 
-def _range_text(minimum: float | None, maximum: float | None, min_inclusive: bool, max_inclusive: bool) -> str:
+def _allowed(kind: str, minimum, maximum, min_inclusive: bool, max_inclusive: bool, extras: list, none: bool) -> str:
+    """``'must be an int >= 1 or 'auto' or None'``: what a numeric check accepts, in words."""
     lo = None if minimum is None else f"{'>=' if min_inclusive else '>'} {minimum}"
     hi = None if maximum is None else f"{'<=' if max_inclusive else '<'} {maximum}"
-    if lo and hi:
-        return f"{lo} and {hi}"
-    return f" {lo or hi}" if (lo or hi) else ""
+    bounds = " and ".join(b for b in (lo, hi) if b)
+    return (f"must be {kind}" + (f" {bounds}" if bounds else "") + "".join(f" or {c!r}" for c in extras)
+            + (" or None" if none else ""))
+
+
+def _outside(v: float, minimum, maximum, min_inclusive: bool = True, max_inclusive: bool = True) -> bool:
+    below = minimum is not None and (v < minimum or (v == minimum and not min_inclusive))
+    above = maximum is not None and (v > maximum or (v == maximum and not max_inclusive))
+    return below or above
 
 
 def check_int(
@@ -72,12 +79,10 @@ def check_int(
     for choice in extra:
         if type(value) is type(choice) and value == choice:
             return value
-    bounds = _range_text(minimum, maximum, True, True)
-    bounds = f" {bounds.strip()}" if bounds else ""
-    allowed = f"must be an int{bounds}" + "".join(f" or {c!r}" for c in extra) + (" or None" if allow_none else "")
+    allowed = _allowed("an int", minimum, maximum, True, True, extra, allow_none)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(f"{_label(name, value, owner)}: {allowed}, got {type(value).__name__}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+    if _outside(value, minimum, maximum):
         raise ValueError(f"{_label(name, value, owner)}: {allowed}")
     return int(value)
 
@@ -96,15 +101,11 @@ def check_number(
     """``value`` as a finite float within the bounds (inclusive unless told); ``None`` if ``allow_none``."""
     if value is None and allow_none:
         return None
-    bounds = _range_text(minimum, maximum, min_inclusive, max_inclusive).strip()
-    allowed = "must be a finite number" + (f" {bounds}" if bounds else "") + (" or None" if allow_none else "")
+    allowed = _allowed("a finite number", minimum, maximum, min_inclusive, max_inclusive, [], allow_none)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(f"{_label(name, value, owner)}: {allowed}, got {type(value).__name__}")
     v = float(value)
-    bad = not math.isfinite(v)
-    bad = bad or (minimum is not None and (v < minimum or (v == minimum and not min_inclusive)))
-    bad = bad or (maximum is not None and (v > maximum or (v == maximum and not max_inclusive)))
-    if bad:
+    if not math.isfinite(v) or _outside(v, minimum, maximum, min_inclusive, max_inclusive):
         raise ValueError(f"{_label(name, value, owner)}: {allowed}")
     return v
 

@@ -68,10 +68,13 @@ def storage_of(t: Any) -> torch.UntypedStorage | None:
         return None
 
 
+def _untyped(t: torch.Tensor | torch.UntypedStorage) -> torch.UntypedStorage:
+    return t if isinstance(t, torch.UntypedStorage) else t.untyped_storage()
+
+
 def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     """Identity of a storage (or of ``t``'s): stable while it lives, shared by all views and aliases."""
-    storage = t if isinstance(t, torch.UntypedStorage) else t.untyped_storage()
-    return storage._cdata
+    return _untyped(t)._cdata
 
 
 def has_storage(t: Any) -> bool:
@@ -82,8 +85,7 @@ def has_storage(t: Any) -> bool:
 def storage_use_count(t: torch.Tensor | torch.UntypedStorage) -> int:
     """C++ owners of the storage: one per ``TensorImpl`` on it (views, aliases, autograd copies), plus one
     for its Python ``UntypedStorage`` object, which torch keeps alive as long as the storage lives."""
-    storage = t if isinstance(t, torch.UntypedStorage) else t.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata)
+    return torch._C._storage_Use_Count(storage_key(t))
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -165,8 +167,8 @@ def unique_storage_bytes(tensors: Any, *, skip: Iterable[int] = ()) -> int:
     total = 0
     for t in iter_tensors(tensors) if not isinstance(tensors, torch.Tensor) else [tensors]:
         s = storage_of(t)
-        if s is not None and s._cdata not in seen:
-            seen.add(s._cdata)
+        if s is not None and storage_key(s) not in seen:
+            seen.add(storage_key(s))
             total += s.nbytes()
     return total
 

@@ -221,11 +221,10 @@ def _saved_entries(node: Any) -> Iterator[tuple[str, Any]]:
             yield name[len("_raw_saved_"):], st
 
 
-def _find_saves(t: torch.Tensor, roots: list[Any], min_seq: int | None) -> tuple[list[_Save], list[str]]:
-    """Saves of t's storage among the nodes between t and roots; plus nodes whose saves are opaque (hooks)."""
+def _find_saves(t: torch.Tensor, roots: list[Any], min_seq: int | None) -> list[_Save]:
+    """Saves of t's storage among the nodes between t and roots (hook-packed ones show in the counts)."""
     key = storage_key(t)
     saves: list[_Save] = []
-    opaque: list[str] = []
     for node in _walk(roots, min_seq):
         cls = type(node).__name__
         for name, raw in _saved_entries(node):
@@ -234,15 +233,11 @@ def _find_saves(t: torch.Tensor, roots: list[Any], min_seq: int | None) -> tuple
                     data = raw.data
                 except RuntimeError:
                     continue
-                hooked = raw.unpack_hook is not None
             else:
-                data, hooked = raw, False
-            hit = any(has_storage(x) and storage_key(x) == key for x in iter_tensors(data))
-            if hit:
+                data = raw
+            if any(has_storage(x) and storage_key(x) == key for x in iter_tensors(data)):
                 saves.append(_Save(cls, name, (cls, name) in METADATA_ONLY_SAVES))
-            elif hooked:
-                opaque.append(f"{cls}.{name}")
-    return saves, opaque
+    return saves
 
 
 def verify_release(
@@ -271,7 +266,7 @@ def verify_release(
     if t.grad_fn is not None:
         min_seq = t.grad_fn._sequence_nr()
     roots = [t.grad_fn, *(o.grad_fn for o in outs)]
-    saves, opaque = _find_saves(t, roots, min_seq) if (sharers or holders or outs) else ([], [])
+    saves = _find_saves(t, roots, min_seq) if (sharers or holders or outs) else []
     readers = [s for s in saves if not s.metadata_only]
     for s in readers:
         reasons.append(f"it is saved for backward by {s.node} ({s.name}), which reads it")
