@@ -1,11 +1,13 @@
 """demo."""
 
 from lightning_memkit.demo.byte_text import ByteTextDataModule
+from lightning_memkit.demo.hf_causal_lm import HFCausalLM
 from lightning_memkit.demo.moe import TinyMoE
 from lightning_memkit.demo.tiny_lm import TinyLM
 
 __all__ = [
     "ByteTextDataModule",
+    "HFCausalLM",
     "TinyLM",
     "TinyMoE",
 ]

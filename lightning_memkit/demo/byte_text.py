@@ -27,11 +27,12 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_memkit.validation import check_int, check_number
+from lightning_memkit.validation import check_choice, check_int, check_number
 
 __all__ = ["ByteTextDataModule", "ByteWindows", "load_corpus", "FALLBACK_TEXT"]
 
 FALLBACK_TEXT = Path(__file__).resolve().parent / "data" / "fallback.txt"
+BATCH_FORMATS = ("pairs", "hf")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib"}
 
 
@@ -87,25 +88,31 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 2_000_00
 class ByteWindows(Dataset):
     """``num_samples`` windows of ``seq_len + 1`` bytes: item ``i`` is ``(x, y)`` with ``y`` = ``x`` shifted by one."""
 
-    def __init__(self, data: torch.Tensor, seq_len: int, num_samples: int, seed: int):
+    def __init__(self, data: torch.Tensor, seq_len: int, num_samples: int, seed: int, batch_format: str = "pairs"):
         if data.numel() < seq_len + 1:
             raise ValueError(f"corpus split of {data.numel()} bytes is shorter than seq_len + 1 = {seq_len + 1}")
         self.data = data
         self.seq_len = seq_len
+        self.batch_format = batch_format
         g = torch.Generator().manual_seed(seed)
         self.starts = torch.randint(0, data.numel() - seq_len, (num_samples,), generator=g)
 
     def __len__(self) -> int:
         return self.starts.numel()
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
         s = int(self.starts[i])
         w = self.data[s : s + self.seq_len + 1].long()
+        if self.batch_format == "hf":  # the model shifts the labels itself
+            return {"input_ids": w[:-1], "labels": w[:-1].clone()}
         return w[:-1], w[1:]
 
 
 class ByteTextDataModule(pl.LightningDataModule):
-    """Next-byte prediction batches ``(x, y)`` of shape ``(batch_size, seq_len)`` from a text corpus.
+    """Next-byte prediction batches of shape ``(batch_size, seq_len)`` from a text corpus.
+
+    ``batch_format="pairs"`` gives ``(x, y)`` with ``y`` shifted by one; ``"hf"`` gives the dict a Hugging Face
+    causal LM takes, ``{"input_ids": x, "labels": x}`` (the model shifts the labels).
 
     Args:
         batch_size: windows per batch.
@@ -117,6 +124,7 @@ class ByteTextDataModule(pl.LightningDataModule):
         seed: seed of the window starts.
         num_workers: DataLoader workers.
         path: a text file or folder to read instead of the stdlib sources.
+        batch_format: ``"pairs"`` or ``"hf"`` (see above).
 
     Example (LightningCLI YAML)::
 
@@ -135,6 +143,7 @@ class ByteTextDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         path: str | None = None,
+        batch_format: str = "pairs",
     ):
         super().__init__()
         owner = "ByteTextDataModule"
@@ -144,6 +153,7 @@ class ByteTextDataModule(pl.LightningDataModule):
         check_number(val_fraction, "val_fraction", minimum=0, maximum=1, min_inclusive=False, max_inclusive=False,
                      owner=owner)
         check_int(num_workers, "num_workers", minimum=0, owner=owner)
+        check_choice(batch_format, "batch_format", BATCH_FORMATS, owner=owner)
         self.save_hyperparameters()
         self.batch_size = batch_size
         self.seq_len = seq_len
@@ -166,8 +176,8 @@ class ByteTextDataModule(pl.LightningDataModule):
         train, val = data[:-n_val], data[-n_val:]
         n_train = hp.samples_per_epoch or max(train.numel() // self.seq_len, self.batch_size)
         n_val_samples = max(self.batch_size, int(n_train * hp.val_fraction))
-        self.train_set = ByteWindows(train, self.seq_len, n_train, seed=hp.seed)
-        self.val_set = ByteWindows(val, self.seq_len, n_val_samples, seed=hp.seed + 1)
+        self.train_set = ByteWindows(train, self.seq_len, n_train, seed=hp.seed, batch_format=hp.batch_format)
+        self.val_set = ByteWindows(val, self.seq_len, n_val_samples, seed=hp.seed + 1, batch_format=hp.batch_format)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, drop_last=True,

@@ -1,0 +1,79 @@
+"""HFCausalLM: a LightningModule that trains a tiny random Hugging Face causal LM built from its config.
+
+Its ``training_step`` is the plain HF idiom, ``self.model(**batch).loss``: every memkit feature must work
+on it with nothing added but the feature object on the ``Trainer``.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_memkit.demo import HFCausalLM
+    >>> module = HFCausalLM(family="gpt_oss", seed=0)
+    >>> ids = torch.randint(0, 256, (2, 8))
+    >>> module.training_step({"input_ids": ids, "labels": ids}, 0).ndim
+    0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_memkit.demo.hf_models import HF_FAMILIES, tiny_hf_causal_lm
+from lightning_memkit.validation import check_choice, check_int, check_number
+
+__all__ = ["HFCausalLM"]
+
+
+class HFCausalLM(pl.LightningModule):
+    """A ``transformers`` causal LM (``self.model``) trained with its own shifted-label loss.
+
+    Args:
+        family: ``"llama"``, ``"qwen3_moe"`` or ``"gpt_oss"``.
+        hidden_size: width of the residual stream (4 query heads, 2 key/value heads).
+        num_layers: decoder layers.
+        vocab_size: vocabulary (256 fits :class:`~lightning_memkit.demo.ByteTextDataModule`'s bytes).
+        num_experts: experts per MoE layer (MoE families only), 2 routed per token.
+        lr: AdamW learning rate over the trainable parameters.
+        seed: seed of the random initialisation (``None``: the global RNG as it is).
+        config_overrides: more keyword arguments for the config class, e.g. ``{"use_cache": false}``.
+
+    Example (LightningCLI YAML)::
+
+        model:
+          class_path: lightning_memkit.demo.HFCausalLM
+          init_args: {family: qwen3_moe, hidden_size: 64, num_layers: 2}
+        data:
+          class_path: lightning_memkit.demo.ByteTextDataModule
+          init_args: {batch_size: 8, seq_len: 64, batch_format: hf}
+    """
+
+    def __init__(self, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, vocab_size: int = 256,
+                 num_experts: int = 4, lr: float = 3e-3, seed: int | None = 0,
+                 config_overrides: dict[str, Any] | None = None):
+        super().__init__()
+        owner = "HFCausalLM"
+        check_choice(family, "family", HF_FAMILIES, owner=owner)
+        for name, value in (("num_layers", num_layers), ("vocab_size", vocab_size), ("num_experts", num_experts)):
+            check_int(value, name, minimum=1, owner=owner)
+        check_int(hidden_size, "hidden_size", minimum=8, owner=owner)
+        if hidden_size % 8:
+            raise ValueError(f"HFCausalLM(hidden_size={hidden_size}) must be a multiple of 8 (4 heads of even size)")
+        check_number(lr, "lr", minimum=0, min_inclusive=False, owner=owner)
+        self.save_hyperparameters()
+        self.model = tiny_hf_causal_lm(family, seed=seed, hidden_size=hidden_size, num_layers=num_layers,
+                                       vocab_size=vocab_size, num_experts=num_experts, **(config_overrides or {}))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
