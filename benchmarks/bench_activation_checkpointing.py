@@ -13,6 +13,12 @@ the callback chose, its predicted and measured peaks, and (brute force over ever
 measured the same way: ``LivePeak`` on the training device) the fewest blocks any subset needs to stay
 within ``B``.
 
+Case 3 (Hugging Face): tiny random Llama, Qwen3-MoE and GPT-OSS causal LMs (hidden 64, 4 decoder layers,
+sequence 512, batch 4; 256 x 2 with ``--quick``) trained on their own shifted-label loss, with nothing
+recomputed, with what ``ActivationCheckpointing()`` applies (``policy="auto"``: every decoder layer, KV
+cache off), and with transformers' own ``activation_checkpointing_enable()`` (the peer, same run). Same
+peak and time measurement as case 1 (``LivePeak``, AdamW step timed, interleaved pairs).
+
     python -m benchmarks.run --only activation_checkpointing [--quick] [--device cuda]
 """
 
@@ -30,7 +36,9 @@ import torch.nn.functional as F
 from benchmarks.common import peak_of, record, time_once
 from lightning_memkit.callbacks import ActivationCheckpointing
 from lightning_memkit.demo import TinyLM
+from lightning_memkit.demo.hf_models import HF_FAMILIES, tiny_hf_causal_lm
 from lightning_memkit.demo.tiny_lm import Block
+from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
 from lightning_memkit.memory import LivePeak, checkpoint_modules, select_modules
 
 THREADS = 1  # one intra-op thread: stable ratios on a shared 2-core machine
@@ -145,11 +153,75 @@ def _budget_case(device: str, quick: bool) -> dict:
                   goal="within budget with the fewest blocks any subset needs", met=all_minimal)
 
 
+def _hf_variants(model, ids):
+    """name -> context manager factory: the three ways to run one HF training step."""
+    def memkit():
+        stack = contextlib.ExitStack()
+        stack.enter_context(kv_cache_off(model))
+        stack.enter_context(checkpoint_modules(decoder_layers(model)))
+        return stack
+
+    @contextlib.contextmanager
+    def hf_own():
+        model.activation_checkpointing_enable()
+        try:
+            yield
+        finally:
+            model.activation_checkpointing_disable()
+
+    return {"nothing recomputed": contextlib.nullcontext, "memkit ActivationCheckpointing()": memkit,
+            "transformers activation_checkpointing_enable()": hf_own}
+
+
+def _hf_case(device: str, quick: bool, family: str) -> dict:
+    bs, seq = (2, 256) if quick else (4, 512)
+    model = tiny_hf_causal_lm(family, seed=0, num_layers=4).to(device).train()
+    ids = torch.randint(0, 256, (bs, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    variants = _hf_variants(model, ids)
+
+    def step(ctx):
+        def fn():
+            with ctx():
+                model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return fn
+
+    def fwd_bwd(ctx):
+        def fn():
+            with ctx():
+                model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+        return fn
+
+    for ctx in variants.values():
+        step(ctx)()
+    peaks = {name: peak_of(fwd_bwd(ctx), device=device) for name, ctx in variants.items()}
+    pairs = 3 if quick else 6
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(pairs):
+        order = list(variants) if i % 2 == 0 else list(reversed(variants))
+        for name in order:
+            times[name].append(time_once(step(variants[name]), device))
+    base = "nothing recomputed"
+    rows = [{"impl": name, "peak_bytes": peaks[name], "peak_vs_baseline": round(peaks[name] / peaks[base], 3),
+             "step_time_s": round(statistics.median(times[name]), 4),
+             "time_vs_baseline": round(statistics.median(t / b for t, b in zip(times[name], times[base])), 3)}
+            for name in variants]
+    memkit = rows[1]
+    case = (f"tiny {type(model).__name__} (hidden 64, 4 layers) batch {bs}x{seq} on {device}: forward+backward peak, "
+            f"forward+backward+AdamW time, {torch.get_num_threads()} thread(s), {pairs} interleaved rounds")
+    return record("activation_checkpointing", case, "the same step with nothing recomputed", rows,
+                  goal="peak <= 0.5x the baseline", met=bool(memkit["peak_vs_baseline"] <= 0.5))
+
+
 def run(device: str = "cpu", quick: bool = False) -> list[dict]:
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
         entries = [_policy_case(device, quick), _budget_case(device, quick)]
+        entries += [_hf_case(device, quick, family) for family in HF_FAMILIES]
         if device.startswith("cuda") and not quick:
             entries.append(_policy_case(device, quick, large=True))
         return entries

@@ -6,6 +6,7 @@ Example::
     from lightning_memkit.callbacks import ActivationCheckpointing
     from lightning_memkit.demo.tiny_lm import Block
 
+    Trainer(callbacks=[ActivationCheckpointing()])                                     # HF decoder layers / blocks
     Trainer(callbacks=[ActivationCheckpointing(policy={Block})])                       # every Block
     Trainer(callbacks=[ActivationCheckpointing(policy={Block}, budget_bytes=2 << 30)])  # fewest Blocks under 2 GiB
 """
@@ -27,10 +28,12 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
 from lightning_memkit.callbacks.phase_memory_release import drop_model_log_refs
+from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
 from lightning_memkit.memory.activation_recompute import (
     PolicyLike,
     RecomputeHandle,
     describe_policy,
+    repeated_blocks,
     resolve_policy,
     select_modules,
 )
@@ -40,7 +43,9 @@ from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
 from lightning_memkit.memory.storage import unique_storage_bytes
 from lightning_memkit.validation import check_int
 
-__all__ = ["ActivationCheckpointing"]
+__all__ = ["ActivationCheckpointing", "AUTO"]
+
+AUTO = "auto"
 
 _OWN_POLICY = {
     "FSDPStrategy": "FSDPStrategy(activation_checkpointing_policy={...})",
@@ -86,12 +91,21 @@ def _patched(obj: Any, **attrs: Any) -> Iterator[None]:
 class ActivationCheckpointing(Callback):
     """Recompute the chosen submodules during backward instead of keeping their activations.
 
-    ``policy`` picks candidate submodules: module classes (or class-path strings, for YAML) or a callable
-    ``(name, module) -> bool``; nested matches are covered by their outermost match. Each chosen module's
+    ``policy`` picks candidate submodules. ``"auto"`` (the default) takes every Hugging Face decoder layer
+    (``transformers.modeling_layers.GradientCheckpointingLayer``) in the model, otherwise the blocks of its
+    longest ``nn.ModuleList`` of same-class modules (``TinyLM.blocks``), and raises if it finds neither.
+    Otherwise give module classes (or class-path strings, for YAML) or a callable ``(name, module) -> bool``;
+    nested matches are covered by their outermost match. Each chosen module's
     ``forward`` is wrapped with non-reentrant :func:`torch.utils.checkpoint.checkpoint` at ``on_fit_start``
     and restored at ``teardown`` (or on an exception); module names and ``state_dict`` keys never change,
     so checkpoints load with or without this callback. Works on one device and under DDP; FSDP, model
-    parallel and DeepSpeed have their own activation checkpointing, and asking for this one there is an error.
+    parallel and DeepSpeed have their own activation checkpointing, and asking for this one there is an error,
+    as is a model whose layers already recompute themselves (HF ``activation_checkpointing_enable()``).
+
+    During fit the model's KV cache is off: every ``transformers`` config in the model with ``use_cache=True``
+    gets ``use_cache=False`` at ``on_fit_start`` (one info line) and ``True`` again at teardown. A cache
+    would keep every layer's keys and values alive for the whole step, recomputed layers included, and a
+    recomputed layer would append to it a second time in backward.
 
     With ``budget_bytes``, the first training batch is run outside the loop (RNG, gradients and buffers
     restored, logging muted) under :class:`~lightning_memkit.memory.saved_tensors.SavedTensorRecorder`, the
@@ -111,7 +125,7 @@ class ActivationCheckpointing(Callback):
     goes to pinned host memory.
 
     Args:
-        policy: module classes / class paths, or a callable ``(name, module) -> bool``.
+        policy: ``"auto"``, module classes / class paths, or a callable ``(name, module) -> bool``.
         budget_bytes: step peak to reach with the fewest recomputed layers (``None``: recompute all matches).
         offload: move saved activations to pinned CPU memory (CUDA).
 
@@ -121,8 +135,9 @@ class ActivationCheckpointing(Callback):
         measured_peak_bytes: the measured step peak with the plan applied, on the first batch (budget mode).
     """
 
-    def __init__(self, policy: PolicyLike, budget_bytes: int | None = None, offload: bool = False):
-        resolve_policy(policy)  # validates and imports class paths now
+    def __init__(self, policy: PolicyLike = AUTO, budget_bytes: int | None = None, offload: bool = False):
+        if policy != AUTO:
+            resolve_policy(policy)  # validates and imports class paths now
         check_int(budget_bytes, "budget_bytes", minimum=1, allow_none=True, owner="ActivationCheckpointing")
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
@@ -142,6 +157,7 @@ class ActivationCheckpointing(Callback):
         self._needs_plan = False
         self._device: str = "cpu"
         self._offload_patch: contextlib.ExitStack | None = None
+        self._cache_patch: contextlib.ExitStack | None = None
 
     # -- hooks -------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -160,7 +176,7 @@ class ActivationCheckpointing(Callback):
             )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        chosen = select_modules(pl_module, self.policy)  # raises, listing the classes, when nothing matches
+        chosen = self._select(pl_module)
         device = trainer.strategy.root_device
         if self.offload and device.type != "cuda":
             raise ValueError(
@@ -177,6 +193,7 @@ class ActivationCheckpointing(Callback):
             self._needs_plan = True  # every fit plans again: the model, batch or precision may have changed
         if self.offload:
             self._patch_offload(pl_module)
+        self._cache_off(pl_module)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._needs_plan:
@@ -200,6 +217,35 @@ class ActivationCheckpointing(Callback):
         drop_model_log_refs([self], pl_module)  # Lightning's callback.log would keep the model alive
 
     # -- work --------------------------------------------------------------------------------------
+    def _select(self, pl_module: LightningModule) -> list[tuple[str, nn.Module]]:
+        """The candidate modules; raises when nothing matches or when they already recompute themselves."""
+        if self.policy != AUTO:
+            chosen = select_modules(pl_module, self.policy)  # raises, listing the classes, when nothing matches
+        else:
+            chosen = decoder_layers(pl_module) or repeated_blocks(pl_module)
+            if not chosen:
+                raise ValueError(
+                    f"ActivationCheckpointing(policy='auto') found in {type(pl_module).__name__} neither Hugging Face "
+                    "decoder layers (transformers GradientCheckpointingLayer) nor an nn.ModuleList of same-class "
+                    "blocks; pass policy= with the module classes to recompute"
+                )
+        own = [name for name, m in chosen if getattr(m, "gradient_checkpointing", False) is True]
+        if own:
+            raise ValueError(
+                f"{len(own)} chosen layers ({', '.join(own[:3])}{', ...' if len(own) > 3 else ''}) already recompute "
+                "themselves (Hugging Face activation_checkpointing_enable() or gradient_checkpointing_enable()); "
+                "call model.activation_checkpointing_disable() or remove ActivationCheckpointing"
+            )
+        return chosen
+
+    def _cache_off(self, pl_module: LightningModule) -> None:
+        stack = contextlib.ExitStack()
+        configs = stack.enter_context(kv_cache_off(pl_module))
+        self._cache_patch = stack
+        if configs:
+            names = ", ".join(sorted({type(c).__name__ for c in configs}))
+            rank_zero_info(f"ActivationCheckpointing: KV cache off during fit (use_cache=False on {names})")
+
     def _modules(self, names: list[str]) -> list[tuple[str, nn.Module]]:
         by_name = dict(self._candidates)
         out = []
@@ -229,9 +275,10 @@ class ActivationCheckpointing(Callback):
     def _restore(self) -> None:
         self._handle.restore()
         self._needs_plan = False
-        stack, self._offload_patch = self._offload_patch, None
-        if stack is not None:
-            stack.close()
+        for stack in (self._offload_patch, self._cache_patch):
+            if stack is not None:
+                stack.close()
+        self._offload_patch = self._cache_patch = None
 
     def _device_peak(self, live: LivePeak) -> int:
         dev = live.by_device.get(self._device)

@@ -4,6 +4,7 @@ from lightning_memkit.memory.activation_recompute import (
     RecomputeHandle,
     checkpoint_modules,
     is_checkpointed,
+    repeated_blocks,
     select_modules,
 )
 from lightning_memkit.memory.allocator_warmup import WarmupDecision, guard_allocator_warmup, warmup_decision
@@ -44,6 +45,7 @@ __all__ = [
     "checkpoint_modules",
     "select_modules",
     "is_checkpointed",
+    "repeated_blocks",
     "RecomputeHandle",
     "release_storage",
     "UnsafeReleaseError",

@@ -39,6 +39,7 @@ __all__ = [
     "resolve_policy",
     "describe_policy",
     "select_modules",
+    "repeated_blocks",
     "checkpoint_modules",
     "RecomputeHandle",
     "is_checkpointed",
@@ -128,6 +129,32 @@ def select_modules(model: nn.Module, policy: PolicyLike) -> list[tuple[str, nn.M
             f"its module classes are: {', '.join(classes)}"
         )
     return chosen
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the blocks of ``model``'s longest ``nn.ModuleList`` whose entries share one class.
+
+    The transformer blocks of most models (``TinyLM.blocks``, ``model.layers``); the first such list wins a tie,
+    lists nested in a chosen block are ignored, and an empty result means the model has none.
+
+    Example::
+
+        >>> net = nn.Module()
+        >>> net.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+        >>> net.heads = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])
+        >>> [name for name, _ in repeated_blocks(net)]
+        ['blocks.0', 'blocks.1', 'blocks.2']
+    """
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best[1])):
+            best = (name, module)
+    if best is None:
+        return []
+    prefix = best[0] + "." if best[0] else ""
+    return [(f"{prefix}{i}", m) for i, m in enumerate(best[1])]
 
 
 def is_checkpointed(module: nn.Module) -> bool:
