@@ -5,5 +5,6 @@ This package knows transformers' module layout and maps it onto the pure-torch c
 """
 
 from lightning_memkit.hf.fused_loss import fused_linear_cross_entropy
+from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
 
-__all__ = ["fused_linear_cross_entropy"]
+__all__ = ["decoder_layers", "fused_linear_cross_entropy", "kv_cache_off"]
