@@ -8,6 +8,11 @@ unavoidable bytes are the gradients ``dW + dx``; "overhead" is the peak above th
 Case 2 (``cross_entropy`` on materialized logits): ours (saved logits, and ``inplace_backward``)
 against ``F.cross_entropy``; every row allocates the logits and ``dW`` of the head.
 
+Case 3 (Hugging Face causal LMs): a tiny random Llama, Qwen3-MoE and GPT-OSS (hidden 64, 2 layers,
+vocabulary 32768, batch 2 x 256; 8192 and 2 x 128 with ``--quick``) called with ``labels``: HF's own
+loss on materialized logits (the baseline) against the same call inside
+``lightning_memkit.hf.fused_linear_cross_entropy(model)``. Whole-model forward+backward peak and time.
+
     python -m benchmarks.run --only cross_entropy [--quick] [--device cuda]
 """
 
@@ -19,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import mib, peak_of, record, time_once
+from lightning_memkit.demo.hf_models import HF_FAMILIES, tiny_hf_causal_lm
+from lightning_memkit.hf import fused_linear_cross_entropy
 from lightning_memkit.ops import cross_entropy, linear_cross_entropy
 
 BASELINE = "F.linear_cross_entropy(options=LinearCrossEntropyOptions())"
@@ -145,8 +152,35 @@ def _logits_case(device: str, quick: bool) -> dict:
     return record("cross_entropy", case, base, rows, goal=goal, met=inplace_over < logits / 10)
 
 
+def _hf_case(device: str, quick: bool, family: str) -> dict:
+    vocab, (bs, seq) = (8192, (2, 128)) if quick else (32768, (2, 256))
+    model = tiny_hf_causal_lm(family, seed=0, vocab_size=vocab).to(device)
+    ids = torch.randint(0, vocab, (bs, seq), device=device, generator=torch.Generator(device).manual_seed(0))
+
+    def hf():
+        return model(input_ids=ids, labels=ids).loss
+
+    def fused():
+        with fused_linear_cross_entropy(model):
+            return model(input_ids=ids, labels=ids).loss
+
+    impls = {"HF loss on logits": hf, "memkit fused_linear_cross_entropy": fused}
+    peaks, times = _measure(impls, list(model.parameters()), device, {name: 5 if quick else 10 for name in impls})
+    logits = bs * seq * vocab * 4
+    base = "HF loss on logits"
+    rows = [{"impl": name, "peak_bytes": peaks[name], "peak_MiB": mib(peaks[name]),
+             "saved_vs_logits_bytes": round((peaks[base] - peaks[name]) / logits, 2),
+             "time_vs_baseline": round(times[name] / times[base], 3)} for name in impls]
+    saved = peaks[base] - peaks["memkit fused_linear_cross_entropy"]
+    case = (f"tiny {type(model).__name__} (hidden 64, 2 layers, vocab {vocab}) batch {bs}x{seq} fp32 on {device}: "
+            f"whole-model forward+backward; logits {logits:,} B")
+    return record("cross_entropy", case, base, rows, goal="peak lower by at least the logits' bytes",
+                  met=bool(saved >= logits))
+
+
 def run(device: str = "cpu", quick: bool = False) -> list[dict]:
-    return [_linear_case(device, quick), _logits_case(device, quick)]
+    return [_linear_case(device, quick), _logits_case(device, quick),
+            *(_hf_case(device, quick, family) for family in HF_FAMILIES)]
 
 
 if __name__ == "__main__":
