@@ -27,3 +27,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_live_peak_left_open():
+    """Fail the test that leaves a ``LivePeak`` installed, not whichever test happens to run next."""
+    from lightning_memkit.memory import live_peak
+
+    yield
+    leaked = list(live_peak._ACTIVE)
+    if leaked:
+        for mode in reversed(leaked):  # close them so later tests start clean
+            mode.__exit__(None, None, None)
+        pytest.fail(f"{len(leaked)} LivePeak context(s) left open by this test")

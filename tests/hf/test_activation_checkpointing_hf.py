@@ -25,12 +25,19 @@ class StepPeak(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.live = LivePeak().__enter__()
+        self.open = True
         self.use_cache.append(pl_module.model.config.use_cache)
         self.patched.append(sum("forward" in vars(layer) for layer in pl_module.model.model.layers))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.live.__exit__(None, None, None)
+        self.open = False
         self.peaks.append(self.live.peak_bytes)
+
+    def on_exception(self, trainer, pl_module, exception):
+        if getattr(self, "open", False):  # a step that raised must not leave its LivePeak installed
+            self.live.__exit__(type(exception), exception, None)
+            self.open = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
