@@ -31,6 +31,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_memkit.memory import BoundaryStats, release_stage_boundaries
 
@@ -67,6 +68,7 @@ class StageBoundaryRelease(Callback):
         self.kept = 0
         self.last_stats: BoundaryStats | None = None
         self._stack: ExitStack | None = None
+        self._warned_unmarked = False
 
     def _close(self) -> None:
         if self._stack is None:
@@ -79,6 +81,16 @@ class StageBoundaryRelease(Callback):
             self.released += stats.released
             self.kept += len(stats.kept)
 
+    def _warn_if_unmarked(self, stats: BoundaryStats) -> None:
+        if stats.marks or self._warned_unmarked:
+            return
+        self._warned_unmarked = True
+        rank_zero_warn(
+            "StageBoundaryRelease: no stage_boundary() mark ran during the training step, so nothing is released. "
+            "It frees only tensors the model marks with lightning_memkit.memory.stage_boundary (Hugging Face "
+            "models have no marks); remove the callback or mark the model's stage outputs."
+        )
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._close()
         if not self.enabled:
@@ -90,7 +102,10 @@ class StageBoundaryRelease(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        open_block = self._stack is not None
         self._close()
+        if open_block and self.last_stats is not None:
+            self._warn_if_unmarked(self.last_stats)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close()

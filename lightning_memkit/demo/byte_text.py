@@ -117,7 +117,7 @@ class ByteTextDataModule(pl.LightningDataModule):
     Args:
         batch_size: windows per batch.
         seq_len: tokens per window (the model's context).
-        val_fraction: tail of the corpus kept for validation.
+        val_fraction: tail of the corpus kept for validation (also served as the test set).
         max_bytes: cap on the corpus size.
         samples_per_epoch: training windows per epoch (default: corpus bytes // seq_len); the validation
             set has ``max(batch_size, that * val_fraction)`` windows.
@@ -185,3 +185,7 @@ class ByteTextDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.hparams.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out tail again (the corpus has no separate test split)."""
+        return self.val_dataloader()

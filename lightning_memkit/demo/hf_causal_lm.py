@@ -75,5 +75,10 @@ class HFCausalLM(pl.LightningModule):
         self.log("val_loss", loss, prog_bar=True)
         return loss
 
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("test_loss", loss)
+        return loss
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)

@@ -71,12 +71,14 @@ class BoundaryStats:
         released_bytes: their storage bytes.
         kept: one message per refused release kept with ``on_refuse="keep"``.
         pending: marks whose consumers had not all run when the block ended (their hooks were removed).
+        marks: :func:`stage_boundary` calls that ran inside the block (0: the model has no marks).
     """
 
     released: int = 0
     released_bytes: int = 0
     kept: list[str] = field(default_factory=list)
     pending: int = 0
+    marks: int = 0
 
 
 @dataclass(eq=False)
@@ -209,6 +211,7 @@ def stage_boundary(
     if not stack or t.numel() == 0:
         return t
     session = stack[-1]
+    session.stats.marks += 1
     # consumers that run later create nodes numbered from here on; ones that already ran give no bound
     min_seq = torch._C._autograd._get_sequence_nr() if outputs is None else None
     mark = _Mark(weakref.ref(t), on_refuse, _call_site(), min_seq, holders_tuple(held_by))

@@ -52,8 +52,21 @@ def test_releases_exact_bytes_in_training_steps_only():
     per_layer = (padded_rows(rows, M) + rows) * D * 4  # dispatch input (padded) + expert outputs
     assert cb.released_bytes == 3 * 2 * per_layer
     assert cb.released == 3 * 2 * 2 and cb.kept == 0
+    assert cb.last_stats.marks == 2 * 2  # two marks per MoE layer in the last step
     assert model.seen["train"] == [True] * 3 and model.seen["val"] == [False]
     assert not stage_boundaries_enabled()
+
+
+def test_a_model_without_marks_is_reported_once(monkeypatch):
+    import lightning_memkit.demo.moe as moe
+
+    monkeypatch.setattr(moe, "stage_boundary", lambda t, *args, **kwargs: t)  # the model's marks removed
+    model = Probe(exchange="copy")
+    cb = StageBoundaryRelease()
+    with pytest.warns(UserWarning, match=r"no stage_boundary\(\) mark ran during the training step") as caught:
+        _fit(model, cb)
+    assert sum("stage_boundary() mark" in str(w.message) for w in caught) == 1
+    assert cb.released_bytes == 0 and cb.last_stats.marks == 0
 
 
 def test_identity_exchange_keeps_and_counts():
