@@ -1,7 +1,8 @@
 """loading."""
 
+from lightning_memkit.loading.meta_buffers import initialize_meta_buffers
 from lightning_memkit.loading.mxfp4 import dequantize_mxfp4
 from lightning_memkit.loading.safetensors_loader import LoadResult, load_mxfp4_into
 from lightning_memkit.loading.stream import stream_dequantize
 
-__all__ = ["dequantize_mxfp4", "stream_dequantize", "load_mxfp4_into", "LoadResult"]
+__all__ = ["dequantize_mxfp4", "stream_dequantize", "load_mxfp4_into", "LoadResult", "initialize_meta_buffers"]

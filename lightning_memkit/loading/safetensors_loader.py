@@ -4,7 +4,15 @@
 ``*.safetensors.index.json``), maps ``X_blocks`` + ``X_scales`` to the module's ``X`` (dequantized in chunks
 straight into the parameter) and copies every other tensor as it is. Memory during the load is the
 module's own tensors plus the largest single entry being read (its packed bytes and one chunk of
-temporaries), never the whole checkpoint.
+temporaries), never the whole checkpoint. Each entry is read with plain file reads into a buffer that is
+freed after use, not through a memory map whose touched pages would stay resident (and count in the
+process's RSS) until the file is closed; :attr:`LoadResult.memory` reports the host RSS peak beside the
+exact tensor bytes.
+
+A module built on the meta device comes out with every parameter and buffer real: checkpoint entries are
+created on ``device``, and non-persistent buffers (in no checkpoint) are recomputed by ``init_buffers``
+(for transformers models :func:`lightning_memkit.hf.meta_init.init_hf_buffers`). Anything that would stay
+on meta is an error.
 
 Nothing is written before the whole manifest checks out: every file header is read and checked as
 safetensors checks it (byte ranges against the file size, so empty and truncated files; tensors back to
@@ -17,16 +25,19 @@ Example::
     from lightning_memkit.loading import load_mxfp4_into
     with torch.device("meta"):
         model = MyMoE(config)                     # no memory yet
-    load_mxfp4_into(model, "checkpoints/gpt-oss", device="cuda")
+    result = load_mxfp4_into(model, "checkpoints/gpt-oss", device="cuda")
+    print(result.memory)                          # host RSS peak and LivePeak tensor bytes
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import math
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -35,9 +46,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_memkit.loading.meta_buffers import (
+    BufferInit,
+    initialize_meta_buffers,
+    materialize,
+    meta_buffer_names,
+    meta_tensor_names,
+    tensor_locations,
+)
 from lightning_memkit.loading.mxfp4 import check_mxfp4, check_writable, dequantize_mxfp4
 from lightning_memkit.loading.stream import split_mxfp4_name
 from lightning_memkit.memory.device import resolve_device
+from lightning_memkit.memory.host_rss import HostRSS, MemoryReport
+from lightning_memkit.memory.live_peak import LivePeak
 from lightning_memkit.validation import check_bool, check_int
 
 __all__ = ["TensorInfo", "LoadResult", "read_safetensors_header", "checkpoint_manifest", "load_mxfp4_into"]
@@ -78,6 +99,8 @@ class LoadResult:
     materialized: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # checkpoint entries without a destination (strict=False)
     missing: list[str] = field(default_factory=list)  # module entries absent from the checkpoint (strict=False)
+    initialized: list[str] = field(default_factory=list)  # meta non-persistent buffers recomputed by init_buffers
+    memory: MemoryReport | None = None  # host RSS and LivePeak tensor bytes of the whole call (measure=True)
 
 
 def _read_header_json(path: Path, size: int) -> tuple[dict, int]:
@@ -278,29 +301,10 @@ def _plan(manifest: dict[str, TensorInfo], targets: dict[str, torch.Tensor], str
     return planned, errors
 
 
-def _locations(module: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
-    """Every (submodule, store, name) holding each tensor object, so tied tensors stay tied."""
-    locs: dict[int, list[tuple[nn.Module, str, str]]] = defaultdict(list)
-    for sub in module.modules():
-        for store in ("_parameters", "_buffers"):
-            for name, t in getattr(sub, store).items():
-                if t is not None:
-                    locs[id(t)].append((sub, store, name))
-    return locs
-
-
-def _materialize(old: torch.Tensor, device: torch.device, locs) -> torch.Tensor:
-    data = torch.empty(old.shape, dtype=old.dtype, device=device)
-    new = nn.Parameter(data, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else data
-    for sub, store, name in locs.get(id(old), ()):
-        getattr(sub, store)[name] = new
-    return new
-
-
-def _destination_errors(items: list[_Item], targets: dict[str, torch.Tensor], device) -> list[str]:
+def _destination_errors(items: list[_Item], targets: dict[str, torch.Tensor], device, buffers: list[str]) -> list[str]:
     """Every destination writable: dense (no self-overlap); meta ones only with a ``device`` that can hold them."""
     errors = []
-    meta = [it.target for it in items if targets[it.target].device.type == "meta"]
+    meta = [it.target for it in items if targets[it.target].device.type == "meta"] + buffers
     for item in items:
         if targets[item.target].device.type != "meta":
             try:
@@ -317,24 +321,70 @@ def _destination_errors(items: list[_Item], targets: dict[str, torch.Tensor], de
     return errors
 
 
-def _open_files(stack: contextlib.ExitStack, items: list[_Item]) -> tuple[dict[Path, object], list[str]]:
-    """Open every file the items read (safetensors validates each header) and check that it lists each source."""
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:_MAX_LISTED]) + (f" ... ({len(names)} in all)" if len(names) > _MAX_LISTED else "")
+
+
+def _leftover_errors(module: nn.Module, result: LoadResult, targets: dict[str, torch.Tensor],
+                     init_buffers: BufferInit | None) -> tuple[list[str], list[str]]:
+    """Meta tensors no checkpoint entry fills: ``(non-persistent buffers to recompute, errors)``."""
+    skipped = [name for name in result.missing if targets[name].is_meta]  # strict=False: absent from the checkpoint
+    buffers = meta_buffer_names(module)
+    errors = []
+    if skipped:
+        errors.append(f"{_listed(skipped)}: on the meta device with no checkpoint entry, so it would stay there")
+    if buffers and init_buffers is None:
+        errors.append(f"{_listed(buffers)}: non-persistent buffer(s) on the meta device, which no checkpoint holds; "
+                      "pass init_buffers=... to recompute them (transformers models: "
+                      "lightning_memkit.hf.meta_init.init_hf_buffers)")
+    return buffers, errors
+
+
+def _check_files(items: list[_Item]) -> list[str]:
+    """Open every file the items read with safetensors (which validates each header) and check it lists each source."""
     from safetensors import safe_open
 
-    handles: dict[Path, object] = {}
     errors: list[str] = []
+    if sys.byteorder != "little":
+        errors.append(f"this machine is {sys.byteorder}-endian; safetensors files are little-endian")
+    sources: dict[Path, list[str]] = defaultdict(list)
     for item in items:
         for info in item.sources:
-            if info.file not in handles:
-                try:
-                    handles[info.file] = stack.enter_context(safe_open(str(info.file), framework="pt"))
-                except Exception as err:  # SafetensorError and OSError: name the file, whatever the reader says
-                    handles[info.file] = None
-                    errors.append(f"{info.file}: safetensors cannot open it ({type(err).__name__}: {err})")
-            handle = handles[info.file]
-            if handle is not None and info.name not in handle.keys():
-                errors.append(f"tensor {info.name!r}: not found by safetensors in {info.file}")
-    return handles, errors
+            sources[info.file].append(info.name)
+    for file, names in sources.items():
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                keys = set(handle.keys())
+        except Exception as err:  # SafetensorError and OSError: name the file, whatever the reader says
+            errors.append(f"{file}: safetensors cannot open it ({type(err).__name__}: {err})")
+            continue
+        errors += [f"tensor {name!r}: not found by safetensors in {file}" for name in names if name not in keys]
+    return errors
+
+
+class _Reader:
+    """Reads tensors with plain file reads into fresh CPU buffers: no memory map, nothing resident after use."""
+
+    def __init__(self, stack: contextlib.ExitStack):
+        self._stack = stack
+        self._files: dict[Path, object] = {}
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        f = self._files.get(info.file)
+        if f is None:
+            f = self._files[info.file] = self._stack.enter_context(open(info.file, "rb", buffering=0))
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        if info.nbytes:
+            view = memoryview((ctypes.c_char * info.nbytes).from_address(buf.data_ptr())).cast("B")
+            f.seek(info.offset)
+            done = 0
+            while done < info.nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"tensor {info.name!r} in {info.file}: the file ended after {done} of "
+                                     f"{info.nbytes} bytes (changed during the load?)")
+                done += n
+        return buf.view(info.dtype).reshape(info.shape)
 
 
 def _progress(enabled: bool):
@@ -345,6 +395,23 @@ def _progress(enabled: bool):
     return Progress(TextColumn("loading {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
 
+def _check_args(module, path, strict, device, rows_per_chunk, progress, init_buffers, measure) -> torch.device | None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    check_int(rows_per_chunk, "rows_per_chunk", minimum=1, allow_none=True, owner="load_mxfp4_into")
+    check_bool(strict, "strict", owner="load_mxfp4_into")
+    check_bool(progress, "progress", owner="load_mxfp4_into")
+    check_bool(measure, "measure", owner="load_mxfp4_into")
+    if init_buffers is not None and not callable(init_buffers):
+        raise TypeError(f"load_mxfp4_into(init_buffers=...) must be a callable (module, names) or None, "
+                        f"got {type(init_buffers).__name__}")
+    if device is not None and str(device) == "meta":
+        raise ValueError("device='meta' is not allowed: tensors must be materialized to be loaded")
+    return resolve_device(device) if device is not None else None
+
+
 def load_mxfp4_into(
     module: nn.Module,
     path: str | os.PathLike,
@@ -353,6 +420,8 @@ def load_mxfp4_into(
     device: torch.device | str | None = None,
     rows_per_chunk: int | None = None,
     progress: bool = False,
+    init_buffers: BufferInit | None = None,
+    measure: bool = True,
 ) -> LoadResult:
     """Copy a (MXFP4) safetensors checkpoint into ``module``'s existing parameters and buffers.
 
@@ -364,26 +433,34 @@ def load_mxfp4_into(
         strict: every checkpoint entry must have a destination and every module entry a source.
         device: where to create tensors that are on the meta device (required if there are any); a tied
             meta parameter is created once and stays tied. Others are written in place, on their device.
-            Tensors outside ``state_dict()`` (non-persistent buffers) are left as they are, even on meta.
         rows_per_chunk: see :func:`dequantize_mxfp4`.
         progress: show a rich progress bar (per tensor); progress is also logged at debug level.
+        init_buffers: ``init_buffers(module, names)`` fills the non-persistent buffers ``names`` (in no
+            checkpoint) that were on meta, after they were allocated on ``device``; required when there are
+            any. It runs before any checkpoint entry is written; if it raises, or leaves one of them unwritten,
+            they go back to meta and nothing is loaded. For transformers models:
+            :func:`lightning_memkit.hf.meta_init.init_hf_buffers`.
+        measure: record the host RSS peak and the LivePeak tensor bytes of the call in ``result.memory``.
 
     The peak during the load is what the module holds at the end plus the largest single entry being
     read (its bytes from the file, and for an MXFP4 pair one chunk of temporaries). Raises ``ValueError``
-    before anything is written when any file, name, shape, dtype or destination does not fit.
+    before anything is written when any file, name, shape, dtype or destination does not fit, or when a
+    tensor would stay on the meta device.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    check_int(rows_per_chunk, "rows_per_chunk", minimum=1, allow_none=True, owner="load_mxfp4_into")
-    check_bool(strict, "strict", owner="load_mxfp4_into")
-    check_bool(progress, "progress", owner="load_mxfp4_into")
-    if device is not None and str(device) == "meta":
-        raise ValueError("device='meta' is not allowed: tensors must be materialized to be loaded")
-    device = resolve_device(device) if device is not None else None
-
+    device = _check_args(module, path, strict, device, rows_per_chunk, progress, init_buffers, measure)
     started = time.perf_counter()
+    live, rss = (LivePeak(), HostRSS()) if measure else (contextlib.nullcontext(), contextlib.nullcontext())
+    with live, rss:
+        result = _load(module, path, strict, device, rows_per_chunk, progress, init_buffers)
+    if measure:
+        result.memory = MemoryReport.of(live, rss)
+    log.info("loaded %d tensors (%d dequantized from MXFP4) from %s in %.1f s%s", len(result.loaded),
+             len(result.dequantized), path, time.perf_counter() - started,
+             f"; {result.memory}" if result.memory is not None else "")
+    return result
+
+
+def _load(module, path, strict, device, rows_per_chunk, progress, init_buffers) -> LoadResult:
     try:
         manifest = checkpoint_manifest(path)
     except ValueError as err:
@@ -391,24 +468,28 @@ def load_mxfp4_into(
     targets = module.state_dict(keep_vars=True)
     result = LoadResult()
     items, errors = _plan(manifest, targets, strict, result)
-    errors += _destination_errors(items, targets, device)
+    buffers, leftover = _leftover_errors(module, result, targets, init_buffers)
+    errors += leftover + _destination_errors(items, targets, device, buffers) + _check_files(items)
+    if errors:
+        lines = "\n".join(f"  - {e}" for e in errors)
+        raise ValueError(f"checkpoint {str(path)!r} does not fit {type(module).__name__}; nothing was loaded:\n{lines}")
+    try:
+        initialize_meta_buffers(module, buffers, device, init_buffers)
+    except ValueError as err:
+        raise ValueError(f"{err}; nothing was loaded") from err
+    result.initialized.extend(buffers)
     with contextlib.ExitStack() as stack:
-        handles, open_errors = _open_files(stack, items)
-        errors += open_errors
-        if errors:
-            lines = "\n".join(f"  - {e}" for e in errors)
-            raise ValueError(f"checkpoint {str(path)!r} does not fit {type(module).__name__}; nothing was "
-                             f"loaded:\n{lines}")
-        _write(module, items, targets, handles, device, rows_per_chunk, progress, Path(path).name, result)
-    log.info("loaded %d tensors (%d dequantized from MXFP4) from %s in %.1f s", len(result.loaded),
-             len(result.dequantized), path, time.perf_counter() - started)
+        _write(module, items, targets, _Reader(stack), device, rows_per_chunk, progress, Path(path).name, result)
+    still = meta_tensor_names(module)
+    if still:  # only if the module changed under the load (validation covers every meta tensor)
+        raise ValueError(f"{_listed(still)}: still on the meta device after the load")
     return result
 
 
-def _write(module, items, targets, handles, device, rows_per_chunk, progress, label, result: LoadResult) -> None:
+def _write(module, items, targets, reader: _Reader, device, rows_per_chunk, progress, label, result) -> None:
     """Write every validated item (materializing meta destinations on ``device``, ties kept)."""
     meta = any(targets[it.target].device.type == "meta" for it in items)
-    locs = _locations(module) if meta else {}
+    locs = tensor_locations(module) if meta else {}
     replaced: dict[int, torch.Tensor] = {}
     with _progress(progress) as bar:
         task = bar.add_task(label, total=len(items)) if bar is not None else None
@@ -416,27 +497,24 @@ def _write(module, items, targets, handles, device, rows_per_chunk, progress, la
             target = targets[item.target]
             if target.device.type == "meta":
                 if id(target) not in replaced:
-                    replaced[id(target)] = _materialize(target, device, locs)
+                    replaced[id(target)] = materialize(target, device, locs)
                     result.materialized.append(item.target)
                 target = replaced[id(target)]
-            _write_one(item, target, handles, rows_per_chunk, result)
+            _write_one(item, target, reader, rows_per_chunk, result)
             log.debug("loaded %s (%d/%d)%s", item.target, n, len(items), " [MXFP4]" if item.mxfp4 else "")
             if bar is not None:
                 bar.update(task, advance=1)
 
 
-def _write_one(item: _Item, target: torch.Tensor, handles, rows_per_chunk, result: LoadResult) -> None:
-    def read(info: TensorInfo) -> torch.Tensor:
-        return handles[info.file].get_tensor(info.name)
-
+def _write_one(item: _Item, target: torch.Tensor, reader: _Reader, rows_per_chunk, result: LoadResult) -> None:
     with torch.no_grad():
         if item.mxfp4:
-            blocks, scales = read(item.sources[0]), read(item.sources[1])
+            blocks, scales = reader.read(item.sources[0]), reader.read(item.sources[1])
             dequantize_mxfp4(blocks, scales, out=target, rows_per_chunk=rows_per_chunk)
             del blocks, scales
             result.dequantized.append(item.target)
         else:
-            source = read(item.sources[0])
+            source = reader.read(item.sources[0])
             target.copy_(source)
             del source
     result.loaded.append(item.target)

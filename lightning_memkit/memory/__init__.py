@@ -17,6 +17,7 @@ from lightning_memkit.memory.device import (
     memory_fraction,
     resolve_device,
 )
+from lightning_memkit.memory.host_rss import HostRSS, MemoryReport, current_rss_bytes
 from lightning_memkit.memory.live_peak import DeviceBytes, LivePeak
 from lightning_memkit.memory.referrers import Referrer, ReferrerReport, find_referrers
 from lightning_memkit.memory.release import empty_device_cache, release_optimizer_state
@@ -60,6 +61,9 @@ __all__ = [
     "WarmupDecision",
     "guard_allocator_warmup",
     "LivePeak",
+    "HostRSS",
+    "MemoryReport",
+    "current_rss_bytes",
     "DeviceBytes",
     "active_device_index",
     "device_total_memory",

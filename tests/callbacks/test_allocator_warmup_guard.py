@@ -109,14 +109,16 @@ def test_invalid_arguments_fail_at_construction(monkeypatch):
 def test_from_pretrained_in_configure_model(tmp_path, monkeypatch):
     """A real ``from_pretrained(device_map="cpu")`` inside ``configure_model`` reaches the guarded warmup.
 
-    transformers refuses a ``device_map`` without ``accelerate``; its availability check is forced to True
-    so the load path (and its call of ``caching_allocator_warmup``) runs as it would on a GPU machine.
+    With ``accelerate`` installed (the ``[hf]`` extra) nothing is forced. Without it, transformers refuses a
+    ``device_map``; its availability check is then forced to True so the load path (and its call of
+    ``caching_allocator_warmup``) runs as it would on a GPU machine.
     """
     transformers = pytest.importorskip("transformers")
     import transformers.integrations.accelerate as hf_accelerate
     import transformers.modeling_utils as mu
 
-    monkeypatch.setattr(hf_accelerate, "is_accelerate_available", lambda: True)
+    if not hf_accelerate.is_accelerate_available():
+        monkeypatch.setattr(hf_accelerate, "is_accelerate_available", lambda: True)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)

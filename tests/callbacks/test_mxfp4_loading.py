@@ -1,4 +1,5 @@
 import logging
+import re
 
 import pytest
 import torch
@@ -132,3 +133,60 @@ def test_yaml_configuration(checkpoint):
     })
     cb = next(c for c in cli.trainer.callbacks if isinstance(c, MXFP4CheckpointLoader))
     assert (cb.path, cb.submodule, cb.rows_per_chunk, cb.strict) == (str(path), "net", 4, True)
+
+
+class MetaModel(Model):
+    """Builds its experts on the meta device in ``__init__``: nothing to move until the callback loads it."""
+
+    def __init__(self, with_buffer=False):
+        super().__init__()
+        with torch.device("meta"):
+            self.net = Experts()
+            if with_buffer:
+                self.net.register_buffer("scale", torch.ones(OUT), persistent=False)
+
+
+def test_meta_module_is_loaded_at_setup_on_the_root_device(checkpoint):
+    path, proj, bias = checkpoint
+    cb = MXFP4CheckpointLoader(str(path), submodule="net")
+    model = MetaModel()
+    _trainer(cb).fit(model)
+    assert torch.equal(model.started_with, proj)
+    assert sorted(cb.result.materialized) == ["bias", "proj"] and cb.result.memory is not None
+    assert not any(t.is_meta for t in model.parameters())
+
+
+def test_meta_module_is_loaded_when_resuming_and_the_checkpoint_wins(checkpoint, tmp_path):
+    path, proj, _ = checkpoint
+    first = Model()
+    trainer = _trainer(MXFP4CheckpointLoader(str(path), submodule="net"))
+    trainer.fit(first)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    cb = MXFP4CheckpointLoader(str(path), submodule="net")
+    second = MetaModel()
+    _trainer(cb, max_steps=2).fit(second, ckpt_path=tmp_path / "run.ckpt")
+    assert cb.result is not None  # loaded, so that the Lightning checkpoint had real tensors to go into
+    assert torch.equal(second.started_with, first.net.proj.detach())  # the resumed weights, not the file's
+
+
+def test_meta_non_persistent_buffer_outside_transformers_is_named(checkpoint):
+    path, _, _ = checkpoint
+    model = MetaModel(with_buffer=True)
+    with pytest.raises(Exception) as info:  # noqa: PT011 - Lightning's teardown may raise on top of it (below)
+        _trainer(MXFP4CheckpointLoader(str(path), submodule="net")).fit(model)
+    chain, err = [], info.value
+    while err is not None:  # Lightning's teardown moves the module to the CPU, which a meta module refuses:
+        chain.append(err)  # the loader's error is then the context of that one, still in the traceback
+        err = err.__context__
+    assert any(isinstance(e, ValueError) and re.search(r"scale: non-persistent buffer\(s\) on the meta device",
+                                                        str(e)) for e in chain), chain
+    assert model.net.proj.is_meta and model.started_with is None
+
+
+def test_measure_switch(checkpoint):
+    path, _, _ = checkpoint
+    cb = MXFP4CheckpointLoader(str(path), submodule="net", measure=False)
+    _trainer(cb).fit(Model())
+    assert cb.result.memory is None and cb.result.dequantized == ["proj"]
+    with pytest.raises(TypeError, match=r"MXFP4CheckpointLoader\(measure='yes'\): must be a bool, got str"):
+        MXFP4CheckpointLoader(str(path), measure="yes")

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import logging
 import os
@@ -10,8 +11,8 @@ from torch import nn
 
 from lightning_memkit.loading import dequantize_mxfp4, load_mxfp4_into
 from lightning_memkit.loading.mxfp4 import _Tables, chunk_transient_bytes
-from lightning_memkit.loading.safetensors_loader import read_safetensors_header
-from lightning_memkit.memory import LivePeak
+from lightning_memkit.loading.safetensors_loader import _Reader, read_safetensors_header
+from lightning_memkit.memory import LivePeak, host_rss
 
 LAYERS, E, H, INTER, VOCAB = 3, 2, 64, 32, 48
 ROWS = 8  # rows_per_chunk used in the bounds below
@@ -127,12 +128,46 @@ def test_agrees_with_transformers_dequantization(ckpt_file):
 
 
 def test_file_reads_are_counted_by_live_peak(ckpt_file):
-    """The bounds below are honest only if tensors read by safetensors show up in LivePeak: check it."""
+    """The bounds below are honest only if the tensors the loader reads show up in LivePeak: check it."""
     path, ckpt = ckpt_file
     name = "layers.0.experts.gate_up_proj_blocks"
-    with safe_open(str(path), framework="pt") as f, LivePeak() as lp:
-        t = f.get_tensor(name)
+    info = read_safetensors_header(path)[name]
+    with contextlib.ExitStack() as stack, LivePeak() as lp:
+        t = _Reader(stack).read(info)
         assert lp.live_bytes == t.numel() == ckpt[name].numel()
+        assert torch.equal(t, ckpt[name])
+
+
+def _rss_file():
+    return host_rss._status_bytes("RssFile")
+
+
+@pytest.mark.skipif(_rss_file() is None, reason="needs /proc/self/status (Linux)")
+def test_reads_leave_no_mapped_pages_resident(tmp_path):
+    """safetensors' memory map keeps every touched page of the file resident until it is closed; plain reads do not."""
+    size = 32 * 2**20
+    path = tmp_path / "big.safetensors"
+    save_file({f"w{i}": torch.randn(size // 4 // 4) for i in range(4)}, path)
+    model = nn.ParameterDict({f"w{i}": nn.Parameter(torch.zeros(size // 4 // 4)) for i in range(4)})
+    before = _rss_file()
+    result = load_mxfp4_into(model, path)
+    assert _rss_file() - before < 4 * 2**20
+    assert result.memory.tensor_peak_bytes == size // 4  # one entry read at a time
+    with safe_open(str(path), framework="pt") as f:  # the same reads through the memory map, for contrast
+        for name in f.keys():
+            model[name].data.copy_(f.get_tensor(name))
+        assert _rss_file() - before > 0.9 * size
+
+
+def test_memory_report_matches_an_outer_live_peak(ckpt_file):
+    path, _ = ckpt_file
+    with torch.device("meta"):
+        model = MoE()
+    with LivePeak() as lp:
+        result = load_mxfp4_into(model, path, device="cpu", rows_per_chunk=ROWS)
+    assert result.memory.tensor_peak_bytes == lp.peak_bytes == result.memory.tensor_peak_by_device["cpu"]
+    assert result.memory.rss_peak_bytes >= max(result.memory.rss_start_bytes, result.memory.rss_end_bytes)
+    assert load_mxfp4_into(MoE(), path, measure=False).memory is None
 
 
 def test_meta_model_peak_is_final_size_plus_one_entry(ckpt_file):
