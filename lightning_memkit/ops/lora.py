@@ -1,4 +1,9 @@
-"""Low-rank adapter (LoRA) for a frozen linear layer: ``delta(x) = dropout(x) @ A.T @ B.T * alpha / rank``.
+"""Low-rank adapters (LoRA) for frozen linear layers and frozen MoE experts.
+
+:class:`LoRAAdapter` adapts one linear layer: ``delta(x) = dropout(x) @ A.T @ B.T * alpha / rank``.
+:class:`ExpertLoRAAdapter` adapts a stack of experts, one low-rank pair per expert: ``A`` is
+``(num_experts, in_features, rank)``, ``B`` is ``(num_experts, rank, out_features)`` and the update of the
+tokens routed to expert ``e`` is ``dropout(x) @ A[e] @ B[e] * alpha / rank``.
 
 ``A`` (``rank x in_features``) starts Kaiming-uniform and ``B`` (``out_features x rank``) at zero, so a
 fresh adapter leaves the layer's output unchanged (Hu et al., 2021). The parameters are float32; the
@@ -13,6 +18,10 @@ Example::
     >>> lora = LoRAAdapter(64, 32, rank=8, alpha=16)
     >>> lora(torch.randn(4, 64)).abs().max().item()   # B starts at zero
     0.0
+    >>> from lightning_memkit.ops.lora import ExpertLoRAAdapter
+    >>> experts = ExpertLoRAAdapter(num_experts=8, in_features=64, out_features=32, rank=4)
+    >>> tuple(experts.A.shape), tuple(experts.B.shape), tuple(experts(torch.randn(5, 64), 3).shape)
+    ((8, 64, 4), (8, 4, 32), (5, 32))
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from torch import nn
 
 from lightning_memkit.validation import check_int, check_number
 
-__all__ = ["LoRAAdapter", "check_lora_args"]
+__all__ = ["LoRAAdapter", "ExpertLoRAAdapter", "check_lora_args", "freeze_base_"]
 
 
 def check_lora_args(rank: int, alpha: float, dropout: float, *, owner: str = "LoRAAdapter") -> None:
@@ -77,3 +86,80 @@ class LoRAAdapter(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.A.shape[1]}, out_features={self.B.shape[0]}, rank={self.rank}, alpha={self.alpha:g}"
+
+
+class ExpertLoRAAdapter(nn.Module):
+    """One trainable low-rank update per expert, added to the output of a stack of frozen experts.
+
+    Args:
+        num_experts: number of experts ``E``.
+        in_features: input width of each expert's projection.
+        out_features: output width of each expert's projection.
+        rank: the adapters' rank ``r`` (>= 1).
+        alpha: scaling numerator; the update is multiplied by ``alpha / rank``.
+        dropout: dropout probability on the adapters' input (training only).
+        device: where the parameters live.
+
+    ``A[e]`` starts uniform in ``+-1/sqrt(in_features)`` (the bound :class:`LoRAAdapter`'s Kaiming init gives)
+    and ``B`` at zero. Parameters are float32; ``forward(x, e)`` computes in ``x``'s dtype, casting only
+    expert ``e``'s slices, so the graph keeps ``dropout(x)``, the ``(..., rank)`` intermediate and those slices.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int, alpha: float = 16,
+                 dropout: float = 0.0, device: torch.device | str | None = None):
+        super().__init__()
+        owner = "ExpertLoRAAdapter"
+        check_lora_args(rank, alpha, dropout, owner=owner)
+        for value, name in ((rank, "lora_rank"), (num_experts, "num_experts"), (in_features, "in_features"),
+                            (out_features, "out_features")):
+            check_int(value, name, minimum=1, owner=owner)
+        self.rank = rank
+        self.alpha = float(alpha)
+        self.scaling = self.alpha / rank
+        self.A = nn.Parameter(torch.empty(num_experts, in_features, rank, device=device, dtype=torch.float32))
+        self.B = nn.Parameter(torch.empty(num_experts, rank, out_features, device=device, dtype=torch.float32))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1 / math.sqrt(self.A.shape[1])
+        nn.init.uniform_(self.A, -bound, bound)
+        nn.init.zeros_(self.B)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """The update ``(..., out_features)`` of expert ``expert`` for its tokens ``x``, in ``x``'s dtype."""
+        h = self.dropout(x) @ self.A[expert].to(x.dtype)
+        return (h @ self.B[expert].to(x.dtype)) * self.scaling
+
+    def extra_repr(self) -> str:
+        e, i, r = self.A.shape
+        return f"num_experts={e}, in_features={i}, out_features={self.B.shape[2]}, rank={r}, alpha={self.alpha:g}"
+
+
+def freeze_base_(module: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
+    """Freeze every parameter of ``module`` that no LoRA adapter owns and cast the floating ones to ``dtype``.
+
+    Casting keeps each ``Parameter`` object (its ``data`` is replaced). Returns the names of the parameters frozen.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_memkit.ops.lora import LoRAAdapter, freeze_base_
+        >>> net = torch.nn.ModuleDict({"proj": torch.nn.Linear(8, 8), "norm": torch.nn.LayerNorm(8)})
+        >>> net.proj.lora = LoRAAdapter(8, 8, rank=2)
+        >>> freeze_base_(net, torch.bfloat16)
+        ['proj.weight', 'proj.bias', 'norm.weight', 'norm.bias']
+        >>> [(n, p.dtype, p.requires_grad) for n, p in net.named_parameters() if n.startswith("proj.lora")]
+        [('proj.lora.A', torch.float32, True), ('proj.lora.B', torch.float32, True)]
+    """
+    adapters = {id(p) for m in module.modules() if isinstance(m, (LoRAAdapter, ExpertLoRAAdapter))
+                for p in m.parameters()}
+    frozen = []
+    for name, p in module.named_parameters():
+        if id(p) in adapters:
+            continue
+        p.requires_grad_(False)
+        if dtype is not None and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+        frozen.append(name)
+    return frozen

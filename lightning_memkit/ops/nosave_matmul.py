@@ -14,8 +14,12 @@ on a ``ctx`` attribute; ``Linear4bit`` keeps only the packed weight, but on a ``
 saved-tensor hooks cannot see, and its backward dequantizes into the weight's original dtype before
 casting to the gradient's dtype. Here backward dequantizes straight into the gradient's dtype.
 
-Numerics: 4-bit forward runs ``bitsandbytes.matmul_4bit`` (the kernel bitsandbytes' ``Linear4bit``
-uses); int8 forward computes ``x @ (CB * SCB / 127).T`` in the input's dtype, as bitsandbytes'
+Numerics: on CUDA, 4-bit forward runs ``bitsandbytes.matmul_4bit`` (the kernel bitsandbytes'
+``Linear4bit`` uses); on CPU it dequantizes and calls ``F.linear``, as bitsandbytes' CPU fallback does.
+Every 4-bit dequantization here asks bitsandbytes for the flat ``(numel,)`` layout and reshapes it:
+bitsandbytes' (0.50) native CPU kernel mis-scales some ``(rows, columns)`` requests whose row length is
+not a multiple of the block size (rows of 32 or 96 columns, for example), while its flat layout is right. int8
+forward computes ``x @ (CB * SCB / 127).T`` in the input's dtype, as bitsandbytes'
 ``Linear8bitLt`` does during CPU training (on CUDA it multiplies in int8 instead, which quantizes the
 activations too). The core is pure torch + bitsandbytes: no Lightning.
 
@@ -76,14 +80,14 @@ class _Packed4bit:
     nested_blocksize: int | None
     nested_dtype: torch.dtype | None
 
-    def state(self, absmax, code, offset, nested_absmax, nested_code, dtype: torch.dtype):
-        """A bitsandbytes ``QuantState`` that dequantizes straight into ``dtype``."""
+    def state(self, absmax, code, offset, nested_absmax, nested_code, dtype: torch.dtype, shape=None):
+        """A bitsandbytes ``QuantState`` dequantizing straight into ``dtype`` (``shape``: default ``self.shape``)."""
         qs_cls = _bnb().functional.QuantState
         state2 = None
         if self.nested_blocksize is not None:
             state2 = qs_cls(absmax=nested_absmax, code=nested_code, blocksize=self.nested_blocksize,
                             dtype=self.nested_dtype)
-        return qs_cls(absmax=absmax, shape=self.shape, code=code, blocksize=self.blocksize,
+        return qs_cls(absmax=absmax, shape=self.shape if shape is None else shape, code=code, blocksize=self.blocksize,
                       quant_type=self.quant_type, dtype=dtype, offset=offset, state2=state2)
 
 
@@ -178,9 +182,9 @@ def _dequantize_int8(cb: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype) ->
 
 def _dequantize_4bit(meta: _Packed4bit, tensors: tuple, dtype: torch.dtype) -> torch.Tensor:
     packed, absmax, code, offset, nested_absmax, nested_code = tensors
-    state = meta.state(absmax, code, offset, nested_absmax, nested_code, dtype)
-    w = _bnb().functional.dequantize_4bit(packed.view(-1, 1), state)
-    return w if w.shape == meta.shape else w.t()  # 1 x n packings come back transposed
+    flat = torch.Size((meta.shape.numel(),))  # the flat layout: see the module notes on bitsandbytes' CPU kernel
+    state = meta.state(absmax, code, offset, nested_absmax, nested_code, dtype, shape=flat)
+    return _bnb().functional.dequantize_4bit(packed.reshape(-1, 1), state).reshape(meta.shape)
 
 
 def dequantize_weight(layer_or_weight: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -210,8 +214,12 @@ class NoSave4bitLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, meta, packed, absmax, code, offset, nested_absmax, nested_code):
-        state = meta.state(absmax, code, offset, nested_absmax, nested_code, x.dtype)
-        out = _bnb().matmul_4bit(x, packed.view(-1, 1), state, bias=bias)  # grad mode is off: plain kernel
+        if x.device.type == "cuda":
+            state = meta.state(absmax, code, offset, nested_absmax, nested_code, x.dtype)
+            out = _bnb().matmul_4bit(x, packed.view(-1, 1), state, bias=bias)  # grad mode is off: plain kernel
+        else:
+            tensors = (packed, absmax, code, offset, nested_absmax, nested_code)
+            out = torch.nn.functional.linear(x, _dequantize_4bit(meta, tensors, x.dtype), bias)
         ctx.meta = meta
         ctx.save_for_backward(packed, absmax, code, offset, nested_absmax, nested_code)
         return out
@@ -263,9 +271,9 @@ def _grad_input_4bit(meta: _Packed4bit, tensors: tuple, grad: torch.Tensor) -> t
         r1 = min(out_features, r0 + rows)
         e0, e1 = r0 * in_features, r1 * in_features
         state = bnb_f.QuantState(absmax=absmax[e0 // meta.blocksize: -(-e1 // meta.blocksize)],
-                                 shape=torch.Size((r1 - r0, in_features)), code=code, blocksize=meta.blocksize,
-                                 quant_type=meta.quant_type, dtype=grad.dtype)
-        w = bnb_f.dequantize_4bit(flat_packed[e0 // 2: e1 // 2].view(-1, 1), state)
+                                 shape=torch.Size((e1 - e0,)), code=code, blocksize=meta.blocksize,
+                                 quant_type=meta.quant_type, dtype=grad.dtype)  # flat: see the module notes
+        w = bnb_f.dequantize_4bit(flat_packed[e0 // 2: e1 // 2].view(-1, 1), state).reshape(r1 - r0, in_features)
         grad_x.addmm_(grad2[:, r0:r1], w)
         del w
     return grad_x.reshape(*grad.shape[:-1], in_features)

@@ -1,6 +1,6 @@
 """Quantize a model's Linear layers with bitsandbytes, keep only the packed weights for backward, add LoRA.
 
-``NoSaveBitsandbytesPrecision`` is Lightning's bitsandbytes precision plugin with three changes:
+``NoSaveBitsandbytesPrecision`` is Lightning's bitsandbytes precision plugin with four changes:
 
 - the converted layers run :func:`lightning_memkit.ops.nosave_matmul.nosave_linear`: forward keeps no
   input and no dequantized weight for backward, only the packed weight and its quant state, all through
@@ -9,7 +9,11 @@
   (Lightning's layers quantize only on CUDA, and ``Trainer`` refuses Lightning's plugin off CUDA);
 - the converted layers are frozen (weight and bias; Lightning's 4-bit conversion freezes the bias too,
   its int8 one does not) and ``lora_rank > 0`` adds a trainable
-  :class:`~lightning_memkit.ops.lora.LoRAAdapter` to each of them (QLoRA).
+  :class:`~lightning_memkit.ops.lora.LoRAAdapter` to each of them (QLoRA);
+- a Hugging Face model becomes a QLoRA model with no further code (:mod:`lightning_memkit.hf.qlora`): its MoE
+  experts' 3-D weights are quantized too, expert by expert, with per-expert adapters
+  (:class:`~lightning_memkit.ops.lora.ExpertLoRAAdapter`); ``lm_head`` stays unquantized; every other
+  parameter (embeddings, norms, routers, biases, ``lm_head``) is frozen and cast to ``dtype``.
 
 Example::
 
@@ -40,7 +44,14 @@ from lightning.fabric.plugins.precision import bitsandbytes as _fabric_bnb
 from lightning.pytorch.plugins.precision.precision import Precision
 from torch import nn
 
-from lightning_memkit.ops.lora import LoRAAdapter, check_lora_args
+from lightning_memkit.hf.qlora import (
+    check_experts,
+    expert_modules,
+    hf_models,
+    output_embedding_names,
+    prepare_experts,
+)
+from lightning_memkit.ops.lora import LoRAAdapter, check_lora_args, freeze_base_
 from lightning_memkit.ops.nosave_matmul import nosave_linear
 from lightning_memkit.validation import check_choice
 
@@ -83,7 +94,17 @@ class _NoSaveLinearMixin:
         return out if lora is None else out + lora(x)
 
     def quantize_(self, weight: torch.Tensor | None = None, device: Any = None) -> None:
-        """Quantize in place on ``device`` (default: where the weight is; Lightning's default is CUDA)."""
+        """Quantize in place on ``device`` (default: where the weight is; Lightning's default is CUDA).
+
+        ``weight`` (a state dict's, through Lightning's load hook) must be unquantized: packed bytes would be
+        quantized again as if they were values.
+        """
+        if weight is not None and not weight.is_floating_point():
+            raise ValueError(
+                f"{type(self).__name__}: cannot load a {weight.dtype} weight of shape {tuple(weight.shape)}: it is "
+                "already quantized (a state dict of a converted model); load the unquantized weights, or load the "
+                "state dict into the model before the plugin converts it"
+            )
         super().quantize_(weight, _quantize_device(self, weight, device))
 
     @property
@@ -247,6 +268,25 @@ def _detached(module: nn.Module, names: Iterable[str]) -> Iterator[None]:
             parent._modules[attr] = original
 
 
+@contextlib.contextmanager
+def _all_or_nothing(module: nn.Module) -> Iterator[None]:
+    """Undo every change to ``module``'s submodules, classes and parameters (data, ``requires_grad``) on an error."""
+    saved = [(m, m.__class__, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    params = [(p, p.data, p.requires_grad) for p in module.parameters()]
+    try:
+        yield
+    except BaseException:
+        for m, cls, modules, parameters, buffers in saved:
+            m.__class__ = cls
+            for current, before in ((m._modules, modules), (m._parameters, parameters), (m._buffers, buffers)):
+                current.clear()
+                current.update(before)
+        for p, data, requires_grad in params:
+            p.data = data
+            p.requires_grad_(requires_grad)
+        raise
+
+
 class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
     """Lightning's ``BitsandbytesPrecision`` with no-save quantized matmuls, CPU support and optional QLoRA.
 
@@ -307,28 +347,46 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Replace the Linear layers (Lightning's conversion), quantize them where they are, add LoRA adapters.
 
-        The whole model is checked first (nothing changes on an error). A Linear layer whose weight or bias is
-        shared with another module (an LM head tied to the embedding) stays an unquantized ``nn.Linear`` so the
-        tie holds; an info log line names it.
+        Hugging Face models inside ``module`` become QLoRA models: their MoE experts are quantized too (expert
+        by expert, with per-expert adapters; ``ignore_modules`` prefixes may name experts modules), their output
+        embedding (``lm_head``) stays unquantized, and every parameter outside the adapters (those of ignored
+        modules included) is frozen and cast to ``dtype``.
+
+        The whole model is checked and the experts are quantized before anything changes; if a step still
+        fails, every change is undone. A Linear layer whose weight or bias is shared with another module (an
+        LM head tied to the embedding) stays an unquantized ``nn.Linear`` so the tie holds; an info log line
+        names it.
         """
         bnb = _fabric_bnb._import_bitsandbytes()
         ours = tuple(_layer_classes().values())
-        foreign = [n for n, m in module.named_modules()
-                   if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) and not isinstance(m, ours)]
-        if foreign:
-            raise ValueError(
-                "NoSaveBitsandbytesPrecision: the module already holds bitsandbytes layers that this plugin did not "
-                f"create ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); pass the unquantized model"
-            )
+        self._check_no_foreign_layers(module, bnb, ours)
         self._check_ignore_modules(module)
         quantized = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+        heads = {n for n in output_embedding_names(module) if not self._ignored(n)}
         shared = {n: h for n, h in _shared_linears(module, quantized).items() if not self._ignored(n)}
-        self._check_not_empty(module, shared)
+        self._check_not_empty(module, {**shared, **dict.fromkeys(heads, [])})
+        experts = [(n, m) for n, m in expert_modules(module) if not self._ignored(n)]
+        for name, m in experts:
+            check_experts(name, m)
+        conversions = [prepare_experts(n, m, self.mode, self.dtype, self.lora_rank, self.lora_alpha,
+                                       self.lora_dropout) for n, m in experts]
         for name, others in shared.items():
-            log.info("NoSaveBitsandbytesPrecision: %r stays an unquantized nn.Linear: its parameters are shared "
-                     "with %s (quantizing would untie them)", name, ", ".join(others))
-        with _detached(module, [n for n, _ in module.named_modules(remove_duplicate=False) if n in shared]):
-            if not shared or any(isinstance(m, nn.Linear) for m in module.modules()):  # else nothing to replace
+            if name not in heads:
+                log.info("NoSaveBitsandbytesPrecision: %r stays an unquantized nn.Linear: its parameters are shared "
+                         "with %s (quantizing would untie them)", name, ", ".join(others))
+        with _all_or_nothing(module):
+            module = self._convert_linears(module, ours, set(shared) | heads)
+            for conversion in conversions:
+                conversion.apply()
+            for _, model in hf_models(module):
+                freeze_base_(model, self.dtype)
+        log.debug("NoSaveBitsandbytesPrecision: %d experts modules converted to %s", len(conversions), self.mode)
+        return module
+
+    def _convert_linears(self, module: nn.Module, ours: tuple[type, ...], kept: set[str]) -> nn.Module:
+        """Lightning's layer replacement (``kept`` layers hidden from it), then quantize, freeze, add LoRA."""
+        with _detached(module, [n for n, _ in module.named_modules(remove_duplicate=False) if n in kept]):
+            if not kept or any(isinstance(m, nn.Linear) for m in module.modules()):  # else nothing to replace
                 module = super().convert_module(module)
         layers = [m for m in module.modules() if isinstance(m, ours)]
         for layer in layers:
@@ -339,6 +397,16 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
                 layer.add_lora(self.lora_rank, self.lora_alpha, self.lora_dropout)
         log.debug("NoSaveBitsandbytesPrecision: %d Linear layers converted to %s", len(layers), self.mode)
         return module
+
+    @staticmethod
+    def _check_no_foreign_layers(module: nn.Module, bnb: Any, ours: tuple[type, ...]) -> None:
+        foreign = [n for n, m in module.named_modules()
+                   if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) and not isinstance(m, ours)]
+        if foreign:
+            raise ValueError(
+                "NoSaveBitsandbytesPrecision: the module already holds bitsandbytes layers that this plugin did not "
+                f"create ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); pass the unquantized model"
+            )
 
     def _ignored(self, name: str) -> bool:
         return any(name.startswith(s) for s in self.ignore_modules)  # Lightning's rule: name prefixes
@@ -361,12 +429,17 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         if not self.ignore_modules:
             return
         names = _linear_names(module)
-        unmatched = sorted(s for s in self.ignore_modules if not any(n.startswith(s) for n in names))
+        experts = [n for n, _ in expert_modules(module, include_converted=True)]
+        unmatched = sorted(s for s in self.ignore_modules if not any(n.startswith(s) for n in names + experts))
         if unmatched:
             shown = ", ".join(repr(n) for n in names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+            what, moe = "Linear layer", ""
+            if experts:
+                what = "Linear layer or MoE experts module"
+                moe = f"; MoE experts modules: {', '.join(map(repr, experts))}"
             raise ValueError(
-                f"NoSaveBitsandbytesPrecision: ignore_modules entries {unmatched} match no Linear layer of "
-                f"{type(module).__name__} (they are name prefixes); Linear layers: {shown or 'none'}"
+                f"NoSaveBitsandbytesPrecision: ignore_modules entries {unmatched} match no {what} of "
+                f"{type(module).__name__} (they are name prefixes); Linear layers: {shown or 'none'}{moe}"
             )
 
     def __repr__(self) -> str:

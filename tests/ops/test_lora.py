@@ -61,3 +61,81 @@ def test_bad_arguments(args, error, match):
         check_lora_args(*args)
     with pytest.raises(ValueError, match=r"LoRAAdapter\(lora_rank=0\): must be an int >= 1"):
         LoRAAdapter(4, 4, rank=0)
+
+
+# -- ExpertLoRAAdapter -----------------------------------------------------------------------------------
+def test_expert_adapter_shapes_init_and_reference():
+    from lightning_memkit.ops.lora import ExpertLoRAAdapter
+
+    lora = ExpertLoRAAdapter(3, 32, 24, rank=4, alpha=8)
+    assert lora.A.shape == (3, 32, 4) and lora.B.shape == (3, 4, 24) and lora.A.dtype == torch.float32
+    assert torch.count_nonzero(lora.B) == 0 and lora.scaling == 2.0
+    assert lora.A.abs().max() <= 1 / math.sqrt(32) and lora.A.std() > 0.25 / math.sqrt(32)
+    assert lora(torch.randn(5, 32), 1).abs().max() == 0
+    torch.nn.init.normal_(lora.B)
+    x = torch.randn(5, 32, requires_grad=True)
+    out = lora(x, 2)
+    out.backward(torch.ones_like(out))
+    x64 = x.detach().double().requires_grad_()
+    a64 = lora.A.detach().double().requires_grad_()
+    b64 = lora.B.detach().double().requires_grad_()
+    ref = x64 @ a64[2] @ b64[2] * 2.0
+    ref.backward(torch.ones_like(ref))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for got, expected in ((x.grad, x64.grad), (lora.A.grad, a64.grad), (lora.B.grad, b64.grad)):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert lora.A.grad[[0, 1]].abs().max() == 0 and lora.B.grad[[0, 1]].abs().max() == 0  # only expert 2
+
+
+def test_expert_adapter_computes_in_the_input_dtype():
+    from lightning_memkit.ops.lora import ExpertLoRAAdapter
+
+    lora = ExpertLoRAAdapter(2, 16, 8, rank=2)
+    torch.nn.init.normal_(lora.B)
+    x = torch.randn(3, 16, dtype=torch.bfloat16, requires_grad=True)
+    out = lora(x, 0)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert lora.A.grad.dtype == lora.B.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [({"rank": 0}, ValueError, r"ExpertLoRAAdapter\(lora_rank=0\): must be an int >= 1"),
+     ({"num_experts": 0}, ValueError, r"ExpertLoRAAdapter\(num_experts=0\): must be an int >= 1"),
+     ({"in_features": 2.0}, TypeError, r"ExpertLoRAAdapter\(in_features=2.0\): must be an int >= 1, got float"),
+     ({"dropout": 1.0}, ValueError, r"ExpertLoRAAdapter\(lora_dropout=1.0\): must be a finite number >= 0 and < 1")],
+)
+def test_expert_adapter_bad_arguments(kwargs, error, match):
+    from lightning_memkit.ops.lora import ExpertLoRAAdapter
+
+    args = {"num_experts": 2, "in_features": 4, "out_features": 4, "rank": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        ExpertLoRAAdapter(**args)
+
+
+# -- freeze_base_ ----------------------------------------------------------------------------------------
+def test_freeze_base_freezes_and_casts_everything_but_adapters():
+    from lightning_memkit.ops.lora import ExpertLoRAAdapter, freeze_base_
+
+    net = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 8), "proj": torch.nn.Linear(8, 8),
+                               "head": torch.nn.Linear(8, 10, bias=False)})
+    net.proj.lora = LoRAAdapter(8, 8, rank=2)
+    net.experts_lora = ExpertLoRAAdapter(2, 8, 8, rank=2)
+    net.head.weight = net.emb.weight  # tied: one parameter
+    net.codes = torch.nn.Parameter(torch.zeros(3, dtype=torch.uint8), requires_grad=False)
+    weight = net.proj.weight
+    assert freeze_base_(net, torch.float16) == ["codes", "emb.weight", "proj.weight", "proj.bias"]
+    assert net.proj.weight is weight and weight.dtype == torch.float16 and not weight.requires_grad
+    assert net.head.weight is net.emb.weight and net.emb.weight.dtype == torch.float16
+    assert net.codes.dtype == torch.uint8
+    adapters = [p for n, p in net.named_parameters() if "lora" in n]
+    assert len(adapters) == 4 and all(p.requires_grad and p.dtype == torch.float32 for p in adapters)
+
+
+def test_module_example_runs():
+    import doctest
+
+    from lightning_memkit.ops import lora
+
+    assert doctest.testmod(lora, raise_on_error=False).failed == 0

@@ -272,3 +272,35 @@ def test_backward_dequantizes_row_slices_only(quant_type, dq):
     # grad_x plus one slice (1/8 of the rows) and small absmax temporaries, never the whole weight
     assert nm.BACKWARD_CHUNKS == 8
     assert lp.peak_bytes < grad_bytes + weight_bytes // 4
+
+
+def _decode_4bit(layer) -> torch.Tensor:
+    """The layer's packed weight decoded in float64 from its bytes, independently of bitsandbytes' kernels."""
+    qs = layer.weight.quant_state
+    packed = layer.weight.data.reshape(-1)
+    n = math.prod(qs.shape)
+    nibbles = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n].long()
+    absmax = qs.absmax.double()
+    if qs.nested:
+        blocks = torch.arange(absmax.numel()) // qs.state2.blocksize
+        absmax = qs.state2.code.double()[qs.absmax.long()] * qs.state2.absmax.double()[blocks] + qs.offset
+    return (qs.code.double()[nibbles] * absmax.repeat_interleave(qs.blocksize)[:n]).reshape(qs.shape)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "nf4-dq", "fp4"])
+@pytest.mark.parametrize("in_features", [32, 96])
+def test_rows_shorter_or_longer_than_a_block_decode_exactly(mode, in_features):
+    """Blocks of 64 elements straddle rows of 32 or 96 columns; the result is the stored bytes, exactly."""
+    layer = bnb.nn.Linear4bit(in_features, 48, bias=True, quant_type=mode[:3], compress_statistics=mode.endswith("-dq"),
+                              compute_dtype=torch.float32)
+    original = layer.weight.data.clone()
+    layer = layer.to("cpu")
+    decoded = _decode_4bit(layer)
+    torch.testing.assert_close(dequantize_weight(layer, torch.float32).double(), decoded, rtol=1e-6, atol=1e-6)
+    assert (decoded - original.double()).abs().max() <= 0.3 * original.abs().max()  # a quantization of it
+    x = torch.randn(5, in_features, requires_grad=True)
+    out, gx, _ = _run(lambda t: nosave_linear(t, layer), x, None)
+    ref, gref, _ = _run(lambda t: torch.nn.functional.linear(t.double(), decoded, layer.bias.double()).float(), x,
+                        None)
+    _close(out, ref, torch.float32)
+    _close(gx, gref, torch.float32)

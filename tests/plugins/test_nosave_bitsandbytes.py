@@ -319,3 +319,16 @@ def test_cuda_model_moved_after_cpu_conversion():
     x = torch.randn(4, IN, device="cuda", dtype=torch.float16, requires_grad=True)
     model(x).float().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_a_converted_state_dict_is_refused_not_quantized_again(mode):
+    """Lightning's load hook would quantize the packed bytes as if they were values; that is an error instead."""
+    plugin = NoSaveBitsandbytesPrecision(mode, _dtype(mode), lora_rank=2)
+    source = plugin.convert_module(nn.Sequential(nn.Linear(IN, OUT)))
+    target = plugin.convert_module(nn.Sequential(nn.Linear(IN, OUT)))
+    packed = target[0].weight.detach().clone()
+    dtype = "torch.int8" if mode == "int8" else "torch.uint8"
+    with pytest.raises(ValueError, match=rf"cannot load a {dtype} weight of shape .*: it is already quantized"):
+        target.load_state_dict(source.state_dict(), strict=False)
+    assert torch.equal(target[0].weight.detach(), packed)
