@@ -19,10 +19,12 @@ from lightning_memkit.pipeline.partition import (
     stage_cost_matrix,
     uniform_partition,
 )
-from lightning_memkit.pipeline.runtime import PipelineRuntime
+from lightning_memkit.pipeline.runtime import BatchLoss, LayerChain, PipelineRuntime, stage_scratch
 
 __all__ = [
     "SCHEDULES",
+    "BatchLoss",
+    "LayerChain",
     "LayerCost",
     "Partition",
     "PipelineRuntime",
@@ -35,6 +37,7 @@ __all__ = [
     "partition_layers",
     "resolve_stages_per_rank",
     "stage_cost_matrix",
+    "stage_scratch",
     "stage_to_rank",
     "static_cost",
     "uniform_partition",

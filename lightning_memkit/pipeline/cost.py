@@ -406,7 +406,8 @@ def measure_layer_costs(
     """Measure each layer's :class:`LayerCost` on one sample microbatch, in order.
 
     Each layer runs forward once on the previous layer's output (detached, as a pipeline stage receives
-    it) under :class:`~lightning_memkit.memory.saved_tensors.SavedTensorRecorder`, which reports the bytes
+    it; a tuple is passed as positional arguments, as :class:`~lightning_memkit.pipeline.runtime.LayerChain`
+    does) under :class:`~lightning_memkit.memory.saved_tensors.SavedTensorRecorder`, which reports the bytes
     kept for backward; then backward runs under :class:`~lightning_memkit.memory.LivePeak` to measure the
     transient workspace. With ``loss_fn`` (called as ``loss_fn(last_output, target)``) the loss's saved
     bytes and backward join the last layer. Gradients the measurement creates are removed again. With
@@ -443,7 +444,7 @@ def measure_layer_costs(
                 layer.to(device)
             inp = _fresh_input(x)
             with SavedTensorRecorder(layer) as rec:
-                out = layer(inp)
+                out = layer(*inp) if isinstance(inp, tuple) else layer(inp)
                 rec.stop()
             report = rec.report(output=out)
             activation = report.new_activation_bytes
@@ -481,8 +482,9 @@ def _device_of(module: nn.Module) -> torch.device | None:
 
 
 def _detach(x: Any) -> Any:
+    """``x`` cut from its graph; a tensor that required grad still does (as the next stage receives it)."""
     if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.is_floating_point())
+        return x.detach().requires_grad_(x.is_floating_point() and x.requires_grad)
     if isinstance(x, (tuple, list)):
         return type(x)(_detach(t) for t in x)
     return x

@@ -8,6 +8,13 @@ device and, by default, moves every other layer to the ``meta`` device so that i
 equals that of the batch-mean loss); ``eval_step`` runs forward only. Both return the mean microbatch
 loss on every rank (broadcast from the rank that holds the last stage).
 
+Layers pass activations on: a tensor, or a tuple of tensors that the next layer takes as positional arguments
+(hidden states together with masks, positions or running statistics). The layers of one stage run in a
+:class:`LayerChain`, which gives them a scratch dict (:func:`stage_scratch`) for work they can share within one
+stage call (an attention mask built once for all of them). A :class:`BatchLoss` sees the whole batch's target
+before its microbatches run and computes the reported value itself (a mean over the valid tokens of the batch,
+say, rather than over microbatches).
+
 Example (one process per rank, process group initialized, same ``layers`` everywhere)::
 
     from lightning_memkit.pipeline import PipelineRuntime, partition_layers
@@ -20,6 +27,7 @@ Example (one process per rank, process group initialized, same ``layers`` everyw
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -33,6 +41,8 @@ from lightning_memkit.pipeline.partition import Partition
 from lightning_memkit.validation import check_int
 
 __all__ = [
+    "BatchLoss",
+    "LayerChain",
     "PipelineRuntime",
     "SCHEDULE_CLASSES",
     "check_microbatches",
@@ -40,6 +50,7 @@ __all__ = [
     "cross_stage_shared",
     "fused_head_loss",
     "measure_pipeline_costs",
+    "stage_scratch",
 ]
 
 # schedule name -> class name in torch.distributed.pipelining
@@ -108,6 +119,115 @@ def cross_stage_shared(layers: Sequence[nn.Module], partition: Partition) -> lis
     return problems
 
 
+class BatchLoss:
+    """A pipeline loss that sees the whole batch: :meth:`begin` before its microbatches, :meth:`end` for its value.
+
+    The schedule calls the loss once per microbatch, ``loss(output, target_chunk)``, and back-propagates the mean
+    of these terms over the microbatches, so a subclass returns terms whose mean is the batch loss: for a mean
+    over the valid tokens of the whole batch, ``microbatches * token_loss_sum / valid_tokens_in_batch``.
+    :meth:`end` gets the terms of the batch's microbatches, in order, and returns the value to report. torch's
+    shape inference runs the first microbatch once more on the first step: those extra calls come before the
+    batch's own, so the batch's terms are always the last ones.
+
+    With ``observes_forward = True``, :meth:`PipelineRuntime.train_step` first runs the batch forward without
+    gradients through every stage and hands each microbatch's last-stage output to :meth:`observe` (after
+    :meth:`begin`): for a loss whose every microbatch gradient depends on statistics of the whole batch. It costs
+    one more forward pass per training step.
+
+    Example::
+
+        >>> import torch
+        >>> class TokenMean(BatchLoss):  # mean over all tokens of the batch, whatever the microbatch sizes
+        ...     def begin(self, target, microbatches):
+        ...         self.scale = microbatches / target.numel()
+        ...     def __call__(self, output, target):
+        ...         return (output - target).pow(2).sum() * self.scale
+        >>> loss, y = TokenMean(), torch.arange(6.0)
+        >>> loss.begin(y, 2)
+        >>> float(loss.end([loss(torch.zeros(2), y[:2]), loss(torch.zeros(4), y[2:])])), float(y.pow(2).mean())
+        (9.166666984558105, 9.166666984558105)
+    """
+
+    observes_forward: bool = False
+
+    def begin(self, target: Any, microbatches: int) -> None:
+        """Called with the whole batch's ``target`` before its ``microbatches`` run (on the last stage's rank)."""
+
+    def observe(self, output: Any, target: Any) -> None:
+        """With ``observes_forward``: one microbatch's last-stage output of the forward pass without gradients."""
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement __call__(output, target)")
+
+    def end(self, terms: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The loss to report for the batch from the terms of its microbatches; default: their mean."""
+        return torch.stack([t.detach().float() for t in terms]).mean()
+
+    def whole(self, output: Any, target: Any) -> torch.Tensor:
+        """The (differentiable) loss of a batch run as one microbatch, outside a pipeline."""
+        self.begin(target, 1)
+        return self(output, target)
+
+
+_SCRATCH: contextvars.ContextVar[dict | None] = contextvars.ContextVar("memkit_stage_scratch", default=None)
+
+
+def stage_scratch() -> dict | None:
+    """A dict shared by the layers of the :class:`LayerChain` call in progress; ``None`` outside one.
+
+    It lives for one call of one stage on one microbatch: a layer may leave there what the next layers of the
+    same call can reuse (keyed by the input it was derived from, e.g. an attention mask built from a padding
+    mask); nothing in it outlives the call.
+    """
+    return _SCRATCH.get()
+
+
+#: torch from which ``PipelineStage`` passes tuples of tensors, integer ones and ones without gradient
+#: included (older ones mark every received tensor as requiring grad, which integer tensors cannot).
+TUPLES_SINCE = "2.13"
+
+
+class LayerChain(nn.Sequential):
+    """Layers run in order; a tuple output goes to the next layer as positional arguments.
+
+    A stage's module: ``PipelineStage`` calls it with the received tensors as positional arguments, and it
+    opens a fresh :func:`stage_scratch` for the call. :class:`PipelineRuntime` sets ``sends = True`` on the
+    chains whose output goes to another stage: with a torch older than :data:`TUPLES_SINCE` such a chain
+    refuses to return a tuple (``TypeError``) rather than let ``PipelineStage`` fail on the receiving rank.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> class Split(nn.Module):
+        ...     def forward(self, x):
+        ...         return x, 2 * x
+        >>> class Add(nn.Module):
+        ...     def forward(self, a, b):
+        ...         return a + b
+        >>> LayerChain(Split(), Add())(torch.ones(2)).tolist()
+        [3.0, 3.0]
+    """
+
+    sends = False
+
+    def forward(self, *args: Any) -> Any:
+        token = _SCRATCH.set({})
+        try:
+            x: Any = args[0] if len(args) == 1 else args
+            for layer in self:
+                x = layer(*x) if isinstance(x, tuple) else layer(x)
+        finally:
+            _SCRATCH.reset(token)
+        if self.sends and isinstance(x, tuple) and torch.torch_version.TorchVersion(torch.__version__) < TUPLES_SINCE:
+            raise TypeError(
+                f"this stage passes a tuple of {len(x)} tensors to the next one, which needs torch >= {TUPLES_SINCE}: "
+                f"torch {torch.__version__}'s PipelineStage marks every tensor it receives as requiring grad (it fails "
+                "on integer ones); pass one tensor between stages or upgrade torch"
+            )
+        return x
+
+
 def fused_head_loss(head: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss(hidden, target)``: cross-entropy of ``head(hidden)`` by ``lightning_memkit.ops.linear_cross_entropy``."""
     try:
@@ -118,6 +238,11 @@ def fused_head_loss(head: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor], t
         ) from err
 
     def loss(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(
+                "fused_loss=True needs the layer before the head to return one tensor (the hidden states), got "
+                f"{type(hidden).__name__}"
+            )
         return linear_cross_entropy(hidden, head.weight, target, bias=head.bias)
 
     return loss
@@ -139,6 +264,8 @@ def measure_pipeline_costs(
     bytes and backward workspace are charged to it, together with its static bytes.
     """
     layers = list(layers)
+    if isinstance(loss_fn, BatchLoss):
+        loss_fn.begin(target, 1)
     if not fused_head:
         return measure_layer_costs(layers, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer, device=device)
     head = layers[-1]
@@ -175,21 +302,23 @@ def _on(loss: Callable, head: nn.Module, device: Any) -> Callable:
 class _FusedTail(nn.Module):
     """The last stage with a fused LM-head loss: runs every layer but the head; the loss uses ``head.weight``."""
 
-    def __init__(self, body: nn.Sequential, head: nn.Linear):
+    def __init__(self, body: LayerChain, head: nn.Linear):
         super().__init__()
         self.body, self.head = body, head
 
-    def forward(self, x: Any) -> Any:
-        return self.body(x)
+    def forward(self, *args: Any) -> Any:
+        return self.body(*args)
 
 
 class PipelineRuntime:
     """This rank's share of a pipeline: stage modules, ``PipelineStage`` objects and the schedule.
 
     Args:
-        layers: the ordered layers (every rank passes the same list); each takes and returns one tensor.
+        layers: the ordered layers (every rank passes the same list); each takes the previous layer's output (a
+            tuple as positional arguments) and returns a tensor or a tuple of tensors.
         partition: where the layers go (:func:`~lightning_memkit.pipeline.partition_layers`).
-        loss_fn: ``loss_fn(last_output, target) -> scalar`` for one microbatch (a mean over its samples).
+        loss_fn: ``loss_fn(last_output, target) -> scalar`` for one microbatch (a mean over its samples), or a
+            :class:`BatchLoss`.
         device: device of this rank's stages (default: cpu).
         group: process group of the pipeline (default: the world).
         release_remote: move layers that other ranks hold to ``meta`` (frees their storage).
@@ -255,10 +384,12 @@ class PipelineRuntime:
         for s in self.stage_indices:
             body = [layers[i] for i in partition.layers_of_stage(s)]
             if fused_head and s == last_stage:
-                modules.append(_FusedTail(nn.Sequential(*body[:-1]), body[-1]))
+                modules.append(_FusedTail(LayerChain(*body[:-1]), body[-1]))
             else:
-                modules.append(nn.Sequential(*body))
+                modules.append(LayerChain(*body))
+                modules[-1].sends = s != last_stage
         self._fused = fused_head_loss(head) if fused_head and self.holds_last else None
+        self._batch_loss = loss_fn if isinstance(loss_fn, BatchLoss) and not fused_head else None
         from torch.distributed.pipelining import PipelineStage
 
         local = set(self.layer_indices)
@@ -275,6 +406,7 @@ class PipelineRuntime:
         ]
         self._grad_scale = 1.0
         self._raw: list[torch.Tensor] = []
+        self._train_shapes: list[tuple] | None = None
         single = partition.stages_per_rank == 1
         self.schedule = cls(
             self.stages[0] if single else self.stages,
@@ -297,17 +429,37 @@ class PipelineRuntime:
             raise TypeError(f"inputs must be a tensor or a tuple of tensors, got {type(inputs).__name__}")
         return tensors[0]
 
-    def _check_batch(self, inputs: Any) -> None:
+    def _check_batch(self, inputs: Any, target: Any) -> None:
+        """The batch splits into the microbatches and has the shapes the stages fixed at the first training step."""
         split_batch_size(self._first_tensor(inputs).shape[0], self.microbatches)
+        items = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (*items, target)]
+        if self._train_shapes is None:
+            self._train_shapes = shapes
+        elif shapes != self._train_shapes:
+            raise ValueError(
+                f"this training batch has shapes {shapes} (inputs..., target), but the pipeline stages fixed "
+                f"{self._train_shapes} at the first training step (torch's PipelineStage keeps its receive buffers); "
+                "give every training batch the same shape (pad to one sequence length, drop_last=True)"
+            )
 
-    def _mean_loss(self, weights: Sequence[int] | None = None) -> torch.Tensor:
+    def _begin(self, target: Any, microbatches: int) -> None:
+        self._raw.clear()
+        if self.holds_last and self._batch_loss is not None:
+            self._batch_loss.begin(target, microbatches)
+
+    def _mean_loss(self, count: int, weights: Sequence[int] | None = None) -> torch.Tensor:
+        """The batch loss from the last ``count`` microbatch losses, broadcast from the last stage's rank."""
         if self.holds_last:
-            raw = torch.stack(self._raw[-(len(weights) if weights else self.microbatches):]).float()
-            if weights:  # microbatches of unequal size: the mean over samples
+            terms = self._raw[-count:]  # earlier entries (if any) come from torch's shape inference
+            if self._batch_loss is not None:
+                value = self._batch_loss.end(terms).float().reshape(()).to(self.device)
+            elif weights:  # microbatches of unequal size: the mean over samples
+                raw = torch.stack(terms).float()
                 w = torch.tensor(weights, dtype=raw.dtype, device=raw.device)
                 value = ((raw * w).sum() / w.sum()).to(self.device)
-            else:  # earlier entries (if any) come from torch's shape inference
-                value = raw.mean().to(self.device)
+            else:
+                value = torch.stack(terms).float().mean().to(self.device)
         else:
             value = torch.zeros((), dtype=torch.float32, device=self.device)
         self._raw.clear()
@@ -322,14 +474,16 @@ class PipelineRuntime:
     def train_step(self, inputs: Any, target: Any, *, grad_accumulation: int = 1) -> torch.Tensor:
         """Forward and backward over every microbatch; gradients accumulate into ``.grad``; returns the mean loss."""
         check_int(grad_accumulation, "grad_accumulation", minimum=1, owner="PipelineRuntime.train_step")
-        self._check_batch(inputs)
+        self._check_batch(inputs, target)
         self._grad_scale = 1.0 / (self.microbatches * grad_accumulation)
-        self._raw.clear()
+        self._begin(target, self.microbatches)
+        if self._batch_loss is not None and self._batch_loss.observes_forward:
+            self._observe(inputs, target)
         with torch.enable_grad():
             self.schedule.step(
                 *self._args(inputs), target=target if self.holds_last else None, return_outputs=False
             )
-        return self._mean_loss()
+        return self._mean_loss(self.microbatches)
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, target: Any) -> torch.Tensor:
@@ -338,58 +492,87 @@ class PipelineRuntime:
         Every rank passes the whole batch. It is cut into at most ``microbatches`` pieces, which need not
         be equal (a short last validation batch is fine). The stages run microbatch by microbatch in stage
         order with blocking point-to-point transfers (every rank walks the same order, so it cannot
-        deadlock); the training schedule is left untouched.
+        deadlock); the training schedule is left untouched. A :class:`BatchLoss` computes the value itself.
         """
         first = self._first_tensor(inputs)
         sizes = [c.shape[0] for c in torch.tensor_split(first, self.microbatches) if c.shape[0] > 0]
         m = len(sizes)
-        self._raw.clear()
+        self._begin(target, m)
         args = self._args(inputs)
         chunks = [torch.tensor_split(t, m) for t in args]
         targets = torch.tensor_split(target, m) if self.holds_last else [None] * m
+        for mb in range(m):
+            out = self._eval_microbatch(tuple(c[mb] for c in chunks))
+            if out is not None:
+                self._raw.append(self._fused(out, targets[mb]) if self._fused else self.loss_fn(out, targets[mb]))
+        return self._mean_loss(m, sizes)
+
+    @torch.no_grad()
+    def _observe(self, inputs: Any, target: Any) -> None:
+        """The forward pass without gradients that a :class:`BatchLoss` with ``observes_forward`` sees first."""
+        chunks = [torch.tensor_split(t, self.microbatches) for t in self._args(inputs)]
+        targets = torch.tensor_split(target, self.microbatches) if self.holds_last else [None] * self.microbatches
+        for mb in range(self.microbatches):
+            out = self._eval_microbatch(tuple(c[mb] for c in chunks))
+            if out is not None:
+                self._batch_loss.observe(out, targets[mb])
+
+    def _eval_microbatch(self, first_args: tuple) -> Any:
+        """One microbatch through every stage; the last stage's output on its rank, ``None`` elsewhere."""
         owner = self.partition.stage_ranks
         local = dict(zip(self.stage_indices, self.modules))
-        last = self.partition.num_stages - 1
-        for mb in range(m):
-            x: Any = None
-            for s in range(self.partition.num_stages):
-                if owner[s] != self.rank:
-                    if s > 0 and owner[s - 1] == self.rank:
-                        self._send(x, owner[s])
-                    continue
-                if s == 0:
-                    x = tuple(c[mb] for c in chunks)
-                elif owner[s - 1] != self.rank:
-                    x = (self._recv(owner[s - 1]),)
-                else:
-                    x = (x,)
-                x = local[s](*x)
-                if s == last:
-                    self._raw.append(self._fused(x, targets[mb]) if self._fused else self.loss_fn(x, targets[mb]))
-        return self._mean_loss(sizes)
+        x: Any = None
+        for s in range(self.partition.num_stages):
+            if owner[s] != self.rank:
+                if s > 0 and owner[s - 1] == self.rank:
+                    self._send(x, owner[s])
+                continue
+            if s == 0:
+                args = first_args
+            elif owner[s - 1] != self.rank:
+                args = self._recv(owner[s - 1])
+            else:
+                args = x if isinstance(x, tuple) else (x,)
+            x = local[s](*args)
+        return x if owner[-1] == self.rank else None
 
     _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 
-    def _send(self, x: torch.Tensor, to: int) -> None:
-        if not isinstance(x, torch.Tensor) or x.dim() > 8 or x.dtype not in self._DTYPES:
-            raise TypeError(
-                "pipeline layers must pass one tensor (at most 8 dims, a float or int dtype) between stages"
-            )
-        header = torch.zeros(10, dtype=torch.int64)
-        header[0], header[1] = x.dim(), self._DTYPES.index(x.dtype)
-        header[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    def _send(self, x: Any, to: int) -> None:
+        tensors = x if isinstance(x, tuple) else (x,)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.dim() > 8 or t.dtype not in self._DTYPES:
+                raise TypeError(
+                    "pipeline layers must pass a tensor or a tuple of tensors (each at most 8 dims, a float or int "
+                    f"dtype: {', '.join(str(d) for d in self._DTYPES)}) between stages, got "
+                    f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+                )
         peer = dist.get_global_rank(self.group, to)
-        dist.send(header.to(self.device), dst=peer, group=self.group)
-        dist.send(x.contiguous(), dst=peer, group=self.group)
+        header = torch.zeros(1 + 10 * len(tensors), dtype=torch.int64)
+        header[0] = len(tensors)
+        for i, t in enumerate(tensors):
+            row = header[1 + 10 * i: 11 + 10 * i]
+            row[0], row[1] = t.dim(), self._DTYPES.index(t.dtype)
+            row[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        count = header[:1].to(self.device)
+        dist.send(count, dst=peer, group=self.group)
+        dist.send(header[1:].to(self.device), dst=peer, group=self.group)
+        for t in tensors:
+            dist.send(t.contiguous(), dst=peer, group=self.group)
 
-    def _recv(self, src: int) -> torch.Tensor:
+    def _recv(self, src: int) -> tuple[torch.Tensor, ...]:
         peer = dist.get_global_rank(self.group, src)
-        header = torch.zeros(10, dtype=torch.int64, device=self.device)
+        count = torch.zeros(1, dtype=torch.int64, device=self.device)
+        dist.recv(count, src=peer, group=self.group)
+        header = torch.zeros(10 * int(count), dtype=torch.int64, device=self.device)
         dist.recv(header, src=peer, group=self.group)
-        ndim, dtype = int(header[0]), self._DTYPES[int(header[1])]
-        out = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
-        dist.recv(out, src=peer, group=self.group)
-        return out
+        out = []
+        for row in header.cpu().view(-1, 10).tolist():
+            ndim, dtype = row[0], self._DTYPES[row[1]]
+            t = torch.empty(row[2:2 + ndim], dtype=dtype, device=self.device)
+            dist.recv(t, src=peer, group=self.group)
+            out.append(t)
+        return tuple(out)
 
     # -- access --------------------------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -3,9 +3,17 @@
 The LightningModule lists its layers in order and names its loss (the layer protocol)::
 
     class MyLM(LightningModule):
-        def pipeline_layers(self) -> nn.ModuleList: ...          # embedding first, head last; one tensor in, one out
+        def pipeline_layers(self) -> nn.ModuleList: ...          # embedding first, head last; each takes and
+                                                                 # returns a tensor or a tuple of tensors
         def pipeline_loss(self, output, target) -> Tensor: ...   # mean loss of one microbatch
         def pipeline_inputs(self, batch) -> tuple[Any, Any]: ... # optional; default: batch is (inputs, target)
+
+or it holds a Hugging Face causal LM (one transformers ``PreTrainedModel`` among its modules with
+``.model.embed_tokens``, ``.model.layers``, ``.model.norm``, ``.model.rotary_emb`` and ``.lm_head``, of a
+family in :data:`~lightning_memkit.hf.pipeline_stages.SUPPORTED_MODEL_TYPES`) and reads dict batches
+(``input_ids``, ``labels``, optional ``attention_mask``): the strategy then splits it with
+:func:`~lightning_memkit.hf.pipeline_stages.causal_lm_stages` and trains it on HF's own loss (router aux loss
+included); see that module for what crosses the stage boundaries. The explicit protocol wins where both exist.
 
 At setup the strategy measures each layer's memory on one microbatch of the first training batch (rank 0,
 RNG untouched), splits the layers with :func:`~lightning_memkit.pipeline.partition_layers`, keeps this
@@ -35,7 +43,8 @@ import atexit
 import gc
 import pickle
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -67,11 +76,15 @@ from lightning_memkit.pipeline.runtime import (
     measure_pipeline_costs,
     split_batch_size,
 )
-from lightning_memkit.validation import ArgumentTypeError, check_int, check_number
+from lightning_memkit.validation import ArgumentTypeError, check_choice, check_int, check_number
 
 __all__ = ["MemkitPipelineStrategy", "load_pipeline_state_dict", "PROTOCOL"]
 
 PROTOCOL = ("pipeline_layers", "pipeline_loss")
+_HF_LAYOUT = (
+    "a transformers causal LM (a PreTrainedModel with .model.embed_tokens, .model.layers, .model.norm, "
+    ".model.rotary_emb and an nn.Linear .lm_head)"
+)
 _METHODS = ("memory", "uniform", "parameters")
 _OWNER = "MemkitPipelineStrategy"
 
@@ -115,6 +128,17 @@ def _check_timeout(timeout: Any) -> timedelta:
     return timedelta(seconds=check_number(timeout, "timeout", minimum=0, min_inclusive=False, owner=_OWNER))
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What the runtime runs: the ordered layers, the loss, whether the head is fused, and the batch split."""
+
+    layers: list[nn.Module]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    fused_head: bool
+    inputs: Callable[[Any], Any]
+    source: str  # what the layers come from, for error messages
+
+
 class MemkitPipelineStrategy(ParallelStrategy):
     """Pipeline-parallel training: one process per stage group, memory-balanced partition, sharded checkpoints.
 
@@ -130,7 +154,12 @@ class MemkitPipelineStrategy(ParallelStrategy):
         stages_per_rank: for ``interleaved_1f1b`` (default 2); other schedules fix it.
         max_bytes_per_rank: with ``partition="memory"``, fail at setup if the best split needs more.
         fused_loss: the last layer is an ``nn.Linear`` LM head whose loss runs through
-            ``lightning_memkit.ops.linear_cross_entropy`` (no logits); ``pipeline_loss`` is then unused.
+            ``lightning_memkit.ops.linear_cross_entropy`` (no logits); ``pipeline_loss`` is then unused. For a
+            Hugging Face model: its causal-LM loss is computed that way from the final hidden states.
+        router_aux: for a Hugging Face MoE model with ``config.output_router_logits``: ``"exact"`` (HF's router
+            aux gradient; one forward pass without gradients more per training step) or ``"microbatch"`` (each
+            microbatch's own aux loss, as HF's gradient accumulation over microbatches); see
+            :mod:`lightning_memkit.hf.pipeline_stages`.
         timeout: process-group timeout, a finite number of seconds > 0 (or a positive ``timedelta``): a rank
             that stops answering makes the others fail after this long instead of hanging.
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
@@ -169,6 +198,7 @@ class MemkitPipelineStrategy(ParallelStrategy):
         stages_per_rank: int | None = None,
         max_bytes_per_rank: int | None = None,
         fused_loss: bool = False,
+        router_aux: str = "exact",
         timeout: float | timedelta | None = None,
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -193,6 +223,7 @@ class MemkitPipelineStrategy(ParallelStrategy):
             raise ValueError("max_bytes_per_rank needs partition='memory' (the only method that predicts peaks)")
         if not isinstance(fused_loss, bool):
             raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
+        check_choice(router_aux, "router_aux", ("exact", "microbatch"), owner=_OWNER)
         timeout = _check_timeout(timeout)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'")
@@ -213,11 +244,14 @@ class MemkitPipelineStrategy(ParallelStrategy):
         self.stages_per_rank = v
         self.max_bytes_per_rank = max_bytes_per_rank
         self.fused_loss = fused_loss
+        self.router_aux = router_aux
         self.partition: Partition | None = None
         self._runtime: PipelineRuntime | None = None
         self._restored: dict[str, Any] | None = None
         self._loaded_keys: set[str] | None = None
         self._pending: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._hf_name: str | None = None  # the Hugging Face causal LM's module name when the protocol is absent
+        self._plan: _Plan | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -250,37 +284,74 @@ class MemkitPipelineStrategy(ParallelStrategy):
 
     # -- model -----------------------------------------------------------------------------------------------
     def connect(self, model: Any) -> None:
-        missing = [name for name in PROTOCOL if not callable(getattr(model, name, None))]
-        if self.fused_loss and "pipeline_loss" in missing:
-            missing.remove("pipeline_loss")
-        if missing:
-            raise TypeError(
-                f"strategy='memkit_pipeline' needs the LightningModule {type(model).__name__} to implement "
-                f"{', '.join(missing)}: pipeline_layers() -> nn.ModuleList of layers in order (one tensor in, one "
-                "out) and pipeline_loss(output, target) -> scalar loss of one microbatch"
-            )
+        """Check that the strategy can split ``model``: the layer protocol, or else one Hugging Face causal LM."""
+        defined = [name for name in PROTOCOL if callable(getattr(model, name, None))]
+        self._hf_name = None
+        if not defined:
+            self._hf_name = self._find_hf_model(model)
+        else:
+            missing = [name for name in self._required() if name not in defined]
+            if missing:
+                raise TypeError(self._protocol_message(model, missing))
         super().connect(model)
 
-    def _layers(self) -> list[nn.Module]:
+    def _required(self) -> list[str]:
+        """The protocol methods this strategy needs (no ``pipeline_loss`` with ``fused_loss=True``)."""
+        return [name for name in PROTOCOL if not (self.fused_loss and name == "pipeline_loss")]
+
+    def _protocol_message(self, model: Any, missing: list[str], why: str | None = None) -> str:
+        message = (
+            f"strategy='memkit_pipeline' needs the LightningModule {type(model).__name__} to implement "
+            f"{', '.join(missing)}: pipeline_layers() -> nn.ModuleList of layers in order (a tensor or a tuple of "
+            "tensors in, the same out) and pipeline_loss(output, target) -> scalar loss of one microbatch"
+        )
+        return message if why is None else f"{message}; or to hold {_HF_LAYOUT}, but {why}"
+
+    def _find_hf_model(self, model: Any) -> str:
+        from lightning_memkit.hf.pipeline_stages import find_causal_lm
+
+        try:
+            name, _ = find_causal_lm(model)
+        except LookupError as err:
+            raise TypeError(self._protocol_message(model, self._required(), str(err))) from None
+        return name
+
+    def _build_plan(self) -> _Plan:
         module = self.lightning_module
-        layers = module.pipeline_layers()
+        if self._hf_name is not None:
+            from lightning_memkit.hf.pipeline_stages import causal_lm_stages
+
+            stages = causal_lm_stages(module.get_submodule(self._hf_name), fused_loss=self.fused_loss,
+                                      router_aux=self.router_aux)
+            plan = _Plan(list(stages.layers), stages.loss, False, stages.inputs,
+                         f"the Hugging Face model {self._hf_name or type(module).__name__}")
+        else:
+            loss = None if self.fused_loss else module.pipeline_loss
+            plan = _Plan(self._protocol_layers(), loss, self.fused_loss, self._protocol_inputs, "pipeline_layers()")
+        self._check_orphans(plan)
+        return plan
+
+    def _protocol_layers(self) -> list[nn.Module]:
+        layers = self.lightning_module.pipeline_layers()
         if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
             raise TypeError(f"pipeline_layers() must return an nn.ModuleList, got {type(layers).__name__}")
         layers = list(layers)
         for i, layer in enumerate(layers):
             if not isinstance(layer, nn.Module):
                 raise TypeError(f"pipeline_layers()[{i}] must be an nn.Module, got {type(layer).__name__}")
-        covered = {id(p) for layer in layers for p in layer.parameters()}
-        orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in covered]
-        if orphans:
-            raise ValueError(
-                f"parameters outside pipeline_layers() would never train: {', '.join(orphans[:5])}"
-                + (" ..." if len(orphans) > 5 else "")
-                + "; include their modules in pipeline_layers() or freeze them"
-            )
         return layers
 
-    def _inputs(self, batch: Any) -> tuple[Any, Any]:
+    def _check_orphans(self, plan: _Plan) -> None:
+        covered = {id(p) for layer in plan.layers for p in layer.parameters()}
+        orphans = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad and id(p) not in covered]
+        if orphans:
+            raise ValueError(
+                f"parameters outside {plan.source} would never train: {', '.join(orphans[:5])}"
+                + (" ..." if len(orphans) > 5 else "")
+                + f"; include their modules in {plan.source} or freeze them"
+            )
+
+    def _protocol_inputs(self, batch: Any) -> tuple[Any, Any]:
         module = self.lightning_module
         if callable(getattr(module, "pipeline_inputs", None)):
             pair = module.pipeline_inputs(batch)
@@ -293,6 +364,11 @@ class MemkitPipelineStrategy(ParallelStrategy):
             )
         return pair[0], pair[1]
 
+    def _inputs(self, batch: Any) -> tuple[Any, Any]:
+        if self._plan is None:
+            raise RuntimeError("MemkitPipelineStrategy is not set up: run it through a Trainer")
+        return self._plan.inputs(batch)
+
     def model_to_device(self) -> None:
         if self._runtime is not None:
             for m in self._runtime.modules:
@@ -302,21 +378,19 @@ class MemkitPipelineStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
         if trainer.state.fn == TrainerFn.PREDICTING:
             raise NotImplementedError("strategy='memkit_pipeline' does not support predict; use validate or test")
         if fitting:
             self._check_training_config(trainer)
         self.precision_plugin.convert_module(self.model)
-        layers = self._layers()
+        plan = self._plan = self._build_plan()
         if fitting:
             self.setup_optimizers(trainer)
-        partition = self._make_partition(trainer, layers)
+        partition = self._make_partition(trainer, plan.layers)
         self.partition = partition
-        loss = None if self.fused_loss else module.pipeline_loss
         self._runtime = PipelineRuntime(
-            layers, partition, loss_fn=loss, device=self.root_device, fused_head=self.fused_loss
+            plan.layers, partition, loss_fn=plan.loss_fn, device=self.root_device, fused_head=plan.fused_head
         )
         local = {id(p) for p in self._runtime.parameters()}
         for opt in self.optimizers:
@@ -394,11 +468,12 @@ class MemkitPipelineStrategy(ParallelStrategy):
         mb = split_batch_size(first.shape[0], self.microbatches)
         inputs = move_data_to_device(_slice(inputs, mb), self.root_device)
         target = move_data_to_device(_slice(target, mb), self.root_device)
-        module = self.lightning_module
+        plan = self._plan
+        assert plan is not None
         with torch.random.fork_rng(devices=_rng_devices(self.root_device)):
             costs = measure_pipeline_costs(
-                layers, inputs, target, loss_fn=None if self.fused_loss else module.pipeline_loss,
-                optimizer=optimizer, fused_head=self.fused_loss, device=self.root_device,
+                layers, inputs, target, loss_fn=plan.loss_fn, optimizer=optimizer, fused_head=plan.fused_head,
+                device=self.root_device,
             )
         return partition_layers(costs, num_stages, max_bytes_per_rank=self.max_bytes_per_rank, **kwargs)
 

@@ -21,11 +21,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _toy import lm_loss, reference, toy_batch, toy_layers  # noqa: E402
+from _toy import lm_loss, pair_batch, pair_layers, pair_reference, reference, toy_batch, toy_layers  # noqa: E402
 
 from lightning_memkit.memory import LivePeak  # noqa: E402
 from lightning_memkit.pipeline import measure_layer_costs, partition_layers  # noqa: E402
-from lightning_memkit.pipeline.runtime import PipelineRuntime  # noqa: E402
+from lightning_memkit.pipeline.runtime import (  # noqa: E402
+    TUPLES_SINCE,
+    BatchLoss,
+    PipelineRuntime,
+    measure_pipeline_costs,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -69,11 +74,59 @@ def _check(schedule: str, world: int, fused: bool = False, device: str = "cpu") 
     return {"sizes": list(part.sizes), "losses": [float(v) for v in losses], "ref": [float(v) for v in ref_losses]}
 
 
+class TokenMean(BatchLoss):
+    """Cross-entropy averaged over the batch's targets that are not -100, whatever microbatch holds them."""
+
+    def begin(self, target, microbatches):
+        self.scale = microbatches / (target != -100).sum()
+
+    def __call__(self, logits, target):
+        flat = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+        return flat * self.scale
+
+
+def _check_tuples(schedule: str, world: int) -> dict:
+    """Layers passing (hidden, int mask, shared positions) and a batch-level loss: as in one process."""
+    stages = world * (1 if schedule in ("gpipe", "1f1b") else 2)
+    m = 2 * stages
+    layers = pair_layers(blocks=2 * stages)
+    ref = copy.deepcopy(layers)
+    inputs, y = pair_batch(2 * m, 8)
+    mb = slice(0, 2)
+    costs = measure_pipeline_costs(layers, tuple(t[mb] for t in inputs), y[mb], loss_fn=TokenMean())
+    part = partition_layers(costs, stages, schedule=schedule, microbatches=m)
+    runtime = PipelineRuntime(layers, part, loss_fn=TokenMean())
+    opt, ref_opt = torch.optim.SGD(runtime.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    losses, ref_losses = [], []
+    for step in range(2):
+        losses.append(runtime.train_step(inputs, y))
+        ref_loss = pair_reference(ref, inputs, y)
+        ref_loss.backward()
+        ref_losses.append(ref_loss.detach())
+        if step == 0:
+            for i in runtime.layer_indices:
+                for (name, p), q in zip(layers[i].named_parameters(), ref[i].parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"{schedule} grad {i}.{name}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), **TOL)
+    odd = y.shape[0] - 1  # eval: tuples through the blocking point-to-point path, unequal microbatches
+    with torch.no_grad():
+        expected = pair_reference(ref, tuple(t[:odd] for t in inputs), y[:odd])
+    torch.testing.assert_close(runtime.eval_step(tuple(t[:odd] for t in inputs), y[:odd]), expected, **TOL)
+    dist.barrier()
+    return {"sizes": list(part.sizes), "losses": [float(v) for v in losses], "ref": [float(v) for v in ref_losses]}
+
+
 def correctness(rank: int, world: int) -> dict:
     schedules = ["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] if world == 2 else ["1f1b", "dualpipev"]
     result = {s: _check(s, world) for s in schedules}
     if world == 2:
         result["1f1b_fused"] = _check("1f1b", world, fused=True)
+        if torch.torch_version.TorchVersion(torch.__version__) >= TUPLES_SINCE:
+            result["1f1b_tuples"] = _check_tuples("1f1b", world)
+            result["dualpipev_tuples"] = _check_tuples("dualpipev", world)
     return result
 
 

@@ -61,3 +61,57 @@ def reference(layers: nn.ModuleList, x: torch.Tensor, y: torch.Tensor) -> torch.
     for layer in layers:
         out = layer(out)
     return lm_loss(out, y)
+
+
+# -- layers that pass tuples: hidden states with an int padding mask and shared positions -----------------
+class PairEmbed(nn.Module):
+    """``(tokens, mask) -> (hidden, mask, positions)``: positions ``(1, T)`` are shared by the rows."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor):
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        return self.emb(tokens), mask, positions
+
+
+class PairBlock(Block):
+    """A block that only updates kept positions (``mask == 1``) and adds a sinusoid of the positions.
+
+    torch's shape inference runs a non-first stage once on uninitialized tensors: received ints must not index.
+    """
+
+    def __init__(self, dim: int):
+        super().__init__(dim)
+        self.freq = nn.Parameter(torch.linspace(0.1, 1.0, dim))
+
+    def forward(self, x, mask, positions):
+        update = self.down(F.gelu(self.up(self.norm(x + torch.sin(positions.unsqueeze(-1) * self.freq)))))
+        return x + update * mask.unsqueeze(-1).to(x.dtype), mask, positions
+
+
+class PairHead(Head):
+    def forward(self, x, mask, positions):
+        return super().forward(x)
+
+
+def pair_layers(vocab: int = 96, dim: int = 16, blocks: int = 4, seed: int = 0) -> nn.ModuleList:
+    torch.manual_seed(seed)
+    return nn.ModuleList([PairEmbed(vocab, dim), *(PairBlock(dim) for _ in range(blocks)), PairHead(dim, vocab)])
+
+
+def pair_batch(batch: int, seq: int, vocab: int = 96, seed: int = 2):
+    """``((tokens, mask), target)``: padded tails (mask 0) whose targets are -100."""
+    x, y = toy_batch(batch, seq, vocab, seed)
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.randint(seq // 2, seq + 1, (batch,), generator=g)
+    mask = (torch.arange(seq).unsqueeze(0) < keep.unsqueeze(1)).long()
+    return (x, mask), y.masked_fill(mask == 0, -100)
+
+
+def pair_reference(layers: nn.ModuleList, inputs, y: torch.Tensor) -> torch.Tensor:
+    out = inputs
+    for layer in layers:
+        out = layer(*out) if isinstance(out, tuple) else layer(out)
+    return lm_loss(out, y)  # mean over the targets that are not -100

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from lightning_memkit.pipeline import evaluate_partition
-from lightning_memkit.pipeline.runtime import check_microbatches, cross_stage_shared, split_batch_size
+from lightning_memkit.pipeline.runtime import TUPLES_SINCE, check_microbatches, cross_stage_shared, split_batch_size
 
 WORKER = Path(__file__).with_name("_pipeline_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,6 +78,9 @@ def _within_15_percent(peak: dict) -> bool:
 def test_two_ranks_match_single_process_for_every_schedule(tmp_path):
     """Loss, gradients, SGD steps and eval agree with the unsplit model for all five schedules (and a fused head).
 
+    Layers that pass tuples (hidden states, an int padding mask, positions shared by the rows) with a
+    :class:`BatchLoss` (mean over the batch's valid targets) agree too, under 1F1B and DualPipeV.
+
     The same run measures each rank's steady-state LivePeak under the four schedules not covered by the
     4-rank 1F1B test and compares it with the prediction.
     """
@@ -85,7 +89,8 @@ def test_two_ranks_match_single_process_for_every_schedule(tmp_path):
         assert rc == 0, out[-4000:]
     r0, r1 = _json(tmp_path, 0), _json(tmp_path, 1)
     peaks = [r0.pop("peaks"), r1.pop("peaks")]
-    assert set(r0) == {"gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev", "1f1b_fused"}
+    tuples = {"1f1b_tuples", "dualpipev_tuples"} if TorchVersion(torch.__version__) >= TUPLES_SINCE else set()
+    assert set(r0) == {"gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev", "1f1b_fused", *tuples}
     assert r0 == r1  # every rank reports the same (broadcast) losses and the same partition
     for entry in r0.values():
         assert entry["losses"] == pytest.approx(entry["ref"], rel=1e-5)
