@@ -2,9 +2,45 @@
 
 This package knows transformers' module layout and maps it onto the pure-torch core; it imports
 ``transformers`` lazily (inside functions), so importing it costs nothing when transformers is absent.
+The pipeline stages are imported on first use (they pull in ``torch.distributed.pipelining``).
 """
+
+from importlib import import_module
 
 from lightning_memkit.hf.fused_loss import fused_linear_cross_entropy
 from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
+from lightning_memkit.hf.meta_init import holds_hf_model, init_hf_buffers
+from lightning_memkit.hf.qlora import (
+    QLoRAExperts,
+    dequantized_experts,
+    expert_modules,
+    hf_models,
+    output_embedding_names,
+    prepare_experts,
+)
 
-__all__ = ["decoder_layers", "fused_linear_cross_entropy", "kv_cache_off"]
+_LAZY = {
+    name: "lightning_memkit.hf.pipeline_stages"
+    for name in ("CausalLMLoss", "CausalLMStages", "SUPPORTED_MODEL_TYPES", "causal_lm_stages", "find_causal_lm")
+}
+
+__all__ = [
+    "decoder_layers",
+    "fused_linear_cross_entropy",
+    "kv_cache_off",
+    "holds_hf_model",
+    "init_hf_buffers",
+    "QLoRAExperts",
+    "dequantized_experts",
+    "expert_modules",
+    "hf_models",
+    "output_embedding_names",
+    "prepare_experts",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_memkit.hf' has no attribute {name!r}")

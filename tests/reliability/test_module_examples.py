@@ -13,6 +13,13 @@ MODULES = [
     "lightning_memkit.memory.storage_release",
     "lightning_memkit.memory.deferred_free",
     "lightning_memkit.memory.stage_boundary",
+    "lightning_memkit.memory.host_rss",
+    "lightning_memkit.pipeline.runtime",
+    "lightning_memkit.hf.layers",
+    "lightning_memkit.hf.fused_loss",
+    "lightning_memkit.hf.meta_init",
+    "lightning_memkit.hf.qlora",
+    "lightning_memkit.hf.pipeline_stages",
 ]
 
 
