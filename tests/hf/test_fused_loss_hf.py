@@ -127,7 +127,8 @@ def test_peak_lower_than_hf_by_logits_bytes():
     assert hf_peak - fused_peak >= b * t * vocab * 4, (hf_peak, fused_peak)
 
 
-def test_callback_in_trainer():
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gpt_oss"])
+def test_callback_in_trainer(name):
     import lightning as L
 
     from lightning_memkit.callbacks import FusedLinearCrossEntropy
@@ -149,7 +150,7 @@ def test_callback_in_trainer():
 
     ids, labels = batch()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=2)
-    lm = make_model("llama")
+    lm = make_model(name)
 
     def fit(callbacks):
         module = Module(copy.deepcopy(lm))
