@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import sys
 from collections.abc import Iterator
@@ -101,6 +102,12 @@ def _aux_loss(model, router_logits, attention_mask) -> torch.Tensor:
     return _aux_loss_fn(model)(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
 
 
+def _cache_field(output_type: type) -> str:
+    """The KV-cache field of a transformers output class: ``cache`` (transformers >= 5.24) or ``past_key_values``."""
+    names = {f.name for f in dataclasses.fields(output_type)}
+    return "cache" if "cache" in names else "past_key_values"
+
+
 def _fused_forward(model, params: dict, labels, chunk_size, backend):
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     from transformers.modeling_utils import slice_logits_to_keep
@@ -115,8 +122,9 @@ def _fused_forward(model, params: dict, labels, chunk_size, backend):
     outputs = model.base_model(**params)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     loss = _lm_loss(model, hidden, labels, loss_kwargs, chunk_size, backend)
-    common = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    cache = _cache_field(type(outputs))
+    common = dict(loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    common[_cache_field(CausalLMOutputWithPast)] = getattr(outputs, cache)
     if moe:
         aux = _aux_loss(model, outputs.router_logits, params.get("attention_mask")) if router else None
         if aux is not None:
