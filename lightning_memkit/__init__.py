@@ -1,81 +1,148 @@
 """lightning_memkit: Lightning callbacks, a precision plugin and a pipeline strategy that cut peak memory.
 
-Importing the package registers ``strategy="memkit_pipeline"`` with Lightning (once).
+The public names below are imported on first access (PEP 562), so ``import lightning_memkit`` and the
+pure-torch subpackages (``lightning_memkit.ops``, ``lightning_memkit.memory``) never import Lightning.
+
+``strategy="memkit_pipeline"`` is registered with Lightning's ``StrategyRegistry`` as soon as both this
+package and ``lightning.pytorch`` are imported, in either order: at once if ``lightning.pytorch`` is already
+imported, otherwise right after it finishes importing (a one-shot import hook), and again (harmlessly) on
+access of :class:`MemkitPipelineStrategy`.
+
+Example::
+
+    >>> import lightning_memkit
+    >>> "cross_entropy" in dir(lightning_memkit)
+    True
+    >>> lightning_memkit.cross_entropy.__module__  # imported here, on first access
+    'lightning_memkit.ops.cross_entropy'
 """
 
-from lightning_memkit.loading import dequantize_mxfp4, load_mxfp4_into, stream_dequantize
-from lightning_memkit.memory import (
-    DeferredFree,
-    LivePeak,
-    SavedTensorReport,
-    active_device_index,
-    device_total_memory,
-    effective_device_memory,
-    empty_device_cache,
-    find_referrers,
-    guard_allocator_warmup,
-    profile_saved_tensors,
-    release_optimizer_state,
-    release_storage,
-    warmup_decision,
-)
-from lightning_memkit.ops import cross_entropy, linear_cross_entropy, lm_head_loss, padded_index_gather
-from lightning_memkit.pipeline import LayerCost, Partition, partition_layers
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = [
-    "DeferredFree",
-    "LayerCost",
-    "LivePeak",
-    "Partition",
-    "SavedTensorReport",
-    "__version__",
-    "active_device_index",
-    "cross_entropy",
-    "dequantize_mxfp4",
-    "device_total_memory",
-    "effective_device_memory",
-    "empty_device_cache",
-    "find_referrers",
-    "guard_allocator_warmup",
-    "linear_cross_entropy",
-    "lm_head_loss",
-    "load_mxfp4_into",
-    "padded_index_gather",
-    "partition_layers",
-    "profile_saved_tensors",
-    "release_optimizer_state",
-    "release_storage",
-    "stream_dequantize",
-    "warmup_decision",
-]
 
-
-try:  # the Lightning adapters; without Lightning the pure-torch core above still works
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_memkit.callbacks import (
-        ActivationCheckpointing,
-        AllocatorWarmupGuard,
-        PeakMemoryMonitor,
-        PhaseMemoryRelease,
-        SavedTensorProfiler,
-        StageBoundaryRelease,
-    )
-    from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
-    from lightning_memkit.strategies import MemkitPipelineStrategy
-except ImportError:
-    pass
-else:
-    # `Trainer(strategy="memkit_pipeline")`; registering again on a second import is harmless
-    MemkitPipelineStrategy.register_strategies(StrategyRegistry)
-    __all__ += [
+_HOMES: dict[str, tuple[str, ...]] = {
+    "lightning_memkit.loading": ("dequantize_mxfp4", "load_mxfp4_into", "stream_dequantize"),
+    "lightning_memkit.memory": (
+        "DeferredFree",
+        "LivePeak",
+        "SavedTensorReport",
+        "active_device_index",
+        "device_total_memory",
+        "effective_device_memory",
+        "empty_device_cache",
+        "find_referrers",
+        "guard_allocator_warmup",
+        "profile_saved_tensors",
+        "release_optimizer_state",
+        "release_storage",
+        "warmup_decision",
+    ),
+    "lightning_memkit.ops": ("cross_entropy", "linear_cross_entropy", "lm_head_loss", "padded_index_gather"),
+    "lightning_memkit.pipeline": ("LayerCost", "Partition", "partition_layers"),
+    # the Lightning adapters: importing any of these imports lightning.pytorch
+    "lightning_memkit.callbacks": (
         "ActivationCheckpointing",
         "AllocatorWarmupGuard",
-        "MemkitPipelineStrategy",
-        "NoSaveBitsandbytesPrecision",
         "PeakMemoryMonitor",
         "PhaseMemoryRelease",
         "SavedTensorProfiler",
         "StageBoundaryRelease",
-    ]
+    ),
+    "lightning_memkit.plugins": ("NoSaveBitsandbytesPrecision",),
+    "lightning_memkit.strategies": ("MemkitPipelineStrategy",),
+}
+_LAZY: dict[str, str] = {name: module for module, names in _HOMES.items() for name in names}
+
+__all__ = sorted(["__version__", "register_pipeline_strategy", *_LAZY])
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_memkit' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    if name == "MemkitPipelineStrategy":
+        register_pipeline_strategy()
+    globals()[name] = value  # later accesses skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def register_pipeline_strategy() -> None:
+    """Register ``strategy="memkit_pipeline"`` in Lightning's ``StrategyRegistry`` (idempotent).
+
+    Imports ``lightning.pytorch``; called for you (see the module docstring).
+
+    Example::
+
+        >>> from lightning_memkit import register_pipeline_strategy
+        >>> register_pipeline_strategy()
+        >>> from lightning.pytorch.strategies import StrategyRegistry
+        >>> "memkit_pipeline" in StrategyRegistry
+        True
+    """
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_memkit.strategies.pipeline import MemkitPipelineStrategy
+
+    MemkitPipelineStrategy.register_strategies(StrategyRegistry)
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """One-shot ``sys.meta_path`` hook: once ``lightning.pytorch`` has executed, register the strategy.
+
+    It finds ``lightning.pytorch``'s spec with the finders after it, lends that spec itself as loader for
+    the one ``exec_module`` call, puts the original loader back, and leaves ``sys.meta_path`` at once.
+    """
+
+    target = "lightning.pytorch"
+
+    def __init__(self) -> None:
+        self._loader: Any = None
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.target or self._loader is not None:
+            return None
+        self.uninstall()
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec  # not a loader we can wrap: leave the import alone
+        self._loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        loader = self._loader
+        module.__loader__ = module.__spec__.loader = loader  # the module keeps its own loader
+        loader.exec_module(module)
+        register_pipeline_strategy()
+
+    def uninstall(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def _install_registration() -> None:
+    if "lightning.pytorch" in sys.modules:
+        register_pipeline_strategy()
+    elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+_install_registration()

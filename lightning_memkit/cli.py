@@ -7,19 +7,36 @@ built from the callbacks found on the trainer: the :class:`~lightning_memkit.cal
 summary, the latest ``SavedTensorProfiler`` table with the paths of its JSON/PNG files, and the first
 and last training loss.
 
+``validate``, ``test`` and ``predict`` run as in Lightning (``predict`` then prints what it predicted);
+``memkit compare --config C ...`` is :func:`lightning_memkit.compare.main`.
+
+A bad configuration value (unknown key, wrong type, bad ``class_path``, or a ``ValueError``/``TypeError``
+raised by a constructor) is a :class:`ConfigError`: ``memkit`` prints it on one or two lines, naming the
+key and what is allowed, and exits with status 2. ``--debug`` (anywhere on the command line) or the
+environment variable ``MEMKIT_DEBUG=1`` shows the full traceback instead. Errors raised while training
+always show their traceback.
+
 Usage::
 
     memkit fit --config examples/configs/tiny_lm.yaml
     memkit fit --config examples/configs/tiny_lm.yaml --trainer.max_steps 20 --model.n_layers 2
+    memkit test --config examples/configs/tiny_lm.yaml --trainer.limit_test_batches 2
     memkit fit --help
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import re
+import sys
+import warnings
+from argparse import ArgumentError
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
@@ -27,7 +44,9 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
 from lightning_memkit.validation import check_int
 
-__all__ = ["MemkitCLI", "LossTracker", "memory_report", "main"]
+__all__ = [
+    "ConfigError", "MemkitCLI", "LossTracker", "describe_config_error", "describe_predictions", "memory_report", "main",
+]
 
 DEFAULT_MODEL = "lightning_memkit.demo.TinyLM"
 DEFAULT_DATA = "lightning_memkit.demo.ByteTextDataModule"
@@ -70,10 +89,21 @@ def _saved_tensor_profiler_type() -> type | None:
 
 def memory_report(trainer: Trainer) -> list[Any]:
     """Renderables (rich tables and strings) describing the memory of the last fit of ``trainer``."""
+    from lightning_memkit.memory.report import static_memory_table
+    from lightning_memkit.report import memory_effects
+
     parts: list[Any] = []
     monitors = [cb for cb in trainer.callbacks if isinstance(cb, PeakMemoryMonitor)]
+    static = next((m.static_table for m in monitors if m.static_table is not None), None)
+    if static is None and trainer.lightning_module is not None:
+        static = static_memory_table(trainer.lightning_module, trainer.optimizers)
+    if static is not None:
+        parts.append(static.table())
     for monitor in monitors:
         parts.append(monitor.table())
+    effects = memory_effects(trainer)  # now, after teardown: PhaseMemoryRelease has released by then
+    if effects:
+        parts.append("\n".join(effects))
     profiler_type = _saved_tensor_profiler_type()
     profilers = [cb for cb in trainer.callbacks if profiler_type is not None and isinstance(cb, profiler_type)]
     for profiler in profilers:
@@ -95,6 +125,106 @@ def memory_report(trainer: Trainer) -> list[Any]:
     return parts
 
 
+class ConfigError(ValueError):
+    """A bad value in a ``memkit`` configuration; the message names the key and what is allowed.
+
+    Example::
+
+        >>> from lightning_memkit.cli import ConfigError, describe_config_error
+        >>> try:
+        ...     raise ValueError("TinyLM(n_layers=-1): must be an int >= 1")
+        ... except ValueError as err:
+        ...     print(describe_config_error(err, {"model": {"class_path": "lightning_memkit.demo.TinyLM"}}))
+        model.init_args.n_layers: TinyLM(n_layers=-1): must be an int >= 1
+        >>> issubclass(ConfigError, ValueError)
+        True
+    """
+
+
+# errors raised while building the objects of a configuration (not while running them)
+_CONSTRUCTION_ERRORS = (ValueError, TypeError, ImportError, AttributeError, MisconfigurationException)
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
+_OWNER = re.compile(r"^(\w+)\((\w+)=")
+_NOISE = re.compile(
+    r"^\s*(- )?(Expected a <class 'NoneType'>|Given value|Subtypes:|Does not validate|Errors:|Not a valid subclass"
+    r"|Subclass types expect|- a |Problem with given class_path|Parser key)"
+)
+_LEAF_SPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and its causes, outermost first."""
+    out: list[BaseException] = []
+    while err is not None and all(err is not e for e in out):
+        out.append(err)
+        err = err.__cause__ or err.__context__
+    return out
+
+
+def _root_message(err: BaseException) -> str:
+    """The meaningful lines of ``err`` on one line, jsonargparse's union bookkeeping dropped."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip() and not _NOISE.match(ln)]
+    text = " ".join(lines) or type(err).__name__
+    text = re.sub(r"Expected an? <class '([\w.]+)'>", r"expected \1", text)
+    return re.sub(r"<class '([\w.]+)'>", r"\1", text)
+
+
+def _init_args(class_path: str) -> list[str]:
+    """Names of the ``__init__`` arguments of ``class_path`` (empty where it cannot be imported)."""
+    import inspect
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        params = inspect.signature(cls.__init__).parameters.values()
+    except Exception:  # noqa: BLE001 - only a hint in an error message
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _owner_key(config: Any, class_name: str, prefix: str = "") -> str | None:
+    """Dotted path in ``config`` (nested dicts/lists) of the entry whose ``class_path`` names ``class_name``."""
+    if isinstance(config, dict):
+        path = config.get("class_path")
+        if isinstance(path, str) and path.rpartition(".")[2] == class_name:
+            return prefix
+        items = config.items()
+    elif isinstance(config, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(config))
+    else:
+        return None
+    for k, v in items:
+        key = f"{prefix}{k}" if str(k).startswith("[") else f"{prefix}.{k}" if prefix else str(k)
+        found = _owner_key(v, class_name, key)
+        if found is not None:
+            return found
+    return None
+
+
+def describe_config_error(err: BaseException, config: Any = None) -> str:
+    """One line naming the configuration key behind ``err`` and what went wrong (see :class:`ConfigError`).
+
+    ``config``: the parsed configuration as nested dicts, to find the key of a class whose constructor raised.
+    """
+    chain = _chain(err)
+    outer = str(chain[0])
+    keys = list(dict.fromkeys(_PARSER_KEY.findall(outer)))
+    root = _root_message(chain[-1])
+    class_path = next((m.group(1) for e in chain if (m := _CLASS_PATH.search(str(e)))), None)
+    if class_path and "is not accepted" in root:
+        accepted = _init_args(class_path)
+        root += f" by {class_path}" + (f"; accepted: {', '.join(accepted)}" if accepted else "")
+    elif class_path and isinstance(chain[-1], (ImportError, AttributeError)):
+        root = f"class_path {class_path!r} cannot be imported: {root}"
+    key = ".".join(keys)
+    owner = _OWNER.match(root)
+    if not key and owner and config is not None:
+        found = _owner_key(config, owner.group(1))
+        key = f"{found}.init_args.{owner.group(2)}" if found else ""
+    return f"{key}: {root}" if key else root
+
+
 class MemkitCLI(LightningCLI):
     """``LightningCLI`` whose ``fit`` ends with :func:`memory_report` printed once, on global rank 0.
 
@@ -102,6 +232,11 @@ class MemkitCLI(LightningCLI):
     trainer are switched to ``verbose=False`` before ``fit``. One option is added to Lightning's:
     ``torch_num_threads`` (top level of the YAML, or ``--torch_num_threads``), applied with
     ``torch.set_num_threads`` for the run and restored afterwards.
+
+    Configuration mistakes raise :class:`ConfigError` (a ``ValueError``) with a one-line message, from the
+    parser (unknown key, wrong type, bad ``class_path``) or from a constructor. The ``config.yaml`` that
+    Lightning saves next to the logs is overwritten by the next run in the same directory. ``predict``
+    prints the kind and shape of what it predicted.
 
     Example::
 
@@ -113,14 +248,22 @@ class MemkitCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         defaults = dict(kwargs.pop("trainer_defaults", None) or {})
         extra = defaults.get("callbacks", [])
         defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), LossTracker()]
         threads = torch.get_num_threads()
         try:
-            super().__init__(*args, trainer_defaults=defaults, **kwargs)
+            with warnings.catch_warnings():  # Lightning's own pytree helper calls a deprecated torch class
+                warnings.filterwarnings("ignore", message=_LEAF_SPEC_WARNING, category=FutureWarning)
+                super().__init__(*args, trainer_defaults=defaults, **kwargs)
         finally:
             torch.set_num_threads(threads)  # `torch_num_threads` applies to this run only
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        kwargs.setdefault("exit_on_error", False)  # parse errors become a ConfigError (short), not usage + exit
+        kwargs.setdefault("allow_abbrev", False)  # `--trainer.max_step` is a mistake, not `--trainer.max_steps`
+        return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -130,11 +273,42 @@ class MemkitCLI(LightningCLI):
         )
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            raise ConfigError(describe_config_error(err)) from err
+
+    def _config_dict(self) -> Any:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        try:
+            return config.as_dict()
+        except Exception:  # noqa: BLE001 - only used to name a key in an error message
+            return None
+
     def before_instantiate_classes(self) -> None:
         threads = self._get(self.config, "torch_num_threads")
         if threads is None:
             return
-        torch.set_num_threads(check_int(threads, "torch_num_threads", minimum=1, allow_none=True, owner="MemkitCLI"))
+        try:
+            threads = check_int(threads, "torch_num_threads", minimum=1, allow_none=True, owner="MemkitCLI")
+        except ValueError as err:
+            raise ConfigError(f"torch_num_threads: {err}") from err
+        torch.set_num_threads(threads)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ConfigError:
+            raise
+        except _CONSTRUCTION_ERRORS as err:
+            raise ConfigError(describe_config_error(err, self._config_dict())) from err
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except _CONSTRUCTION_ERRORS as err:
+            raise ConfigError(f"trainer: {describe_config_error(err, self._config_dict())}") from err
 
     def before_fit(self) -> None:
         for cb in self.trainer.callbacks:
@@ -155,10 +329,68 @@ class MemkitCLI(LightningCLI):
             else:
                 console.print(part)
 
+    def after_predict(self) -> None:
+        if self.trainer.is_global_zero:
+            print(describe_predictions(self.trainer.predict_loop.predictions))
+
+
+def describe_predictions(predictions: Any) -> str:
+    """One line on what ``trainer.predict`` returned: batch count, then dtype and shape of the first batch.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_memkit.cli import describe_predictions
+        >>> describe_predictions([torch.zeros(4, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)])
+        'predict: 2 batches, 6 samples; first batch: torch.int64 tensor of shape (4, 8)'
+    """
+    batches = list(predictions or [])
+    if batches and isinstance(batches[0], list):  # several predict dataloaders: one list per loader
+        batches = [b for loader in batches for b in loader]
+    if not batches:
+        return "predict: no batch predicted"
+    first = batches[0]
+    if not all(isinstance(b, torch.Tensor) for b in batches):
+        return f"predict: {len(batches)} batches; first batch: {type(first).__name__}"
+    samples = sum(b.shape[0] if b.dim() else 1 for b in batches)
+    return (f"predict: {len(batches)} batches, {samples} samples; first batch: {first.dtype} tensor of shape "
+            f"{tuple(first.shape)}")
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("MEMKIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of the ``memkit`` console script; ``args`` as for ``LightningCLI`` (default: ``sys.argv``)."""
-    MemkitCLI(args=args)
+    """Entry point of the ``memkit`` console script; ``args`` as for ``LightningCLI`` (default: ``sys.argv[1:]``).
+
+    ``memkit compare ...`` goes to :func:`lightning_memkit.compare.main`, anything else to :class:`MemkitCLI`.
+    A :class:`ConfigError` prints ``memkit: error: ...`` on stderr and exits with status 2, unless ``--debug``
+    is given (removed before parsing) or ``MEMKIT_DEBUG=1`` is set: then it propagates with its traceback.
+    """
+    from_sys = args is None
+    argv = [str(a) for a in (sys.argv[1:] if from_sys else args)]
+    debug = _debug_requested(argv)
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        if from_sys:  # processes that Lightning launches re-run sys.argv: they learn of --debug from the env
+            sys.argv[1:] = argv
+            os.environ["MEMKIT_DEBUG"] = "1"
+    try:
+        if argv[:1] == ["compare"]:
+            from lightning_memkit.compare import main as compare_main
+
+            compare_main(argv[1:])
+        else:
+            MemkitCLI(args=None if from_sys else argv)
+    except ConfigError as err:
+        if debug:
+            raise
+        command = " ".join(["memkit", *argv[:1]])
+        print(f"{command}: error: {err}", file=sys.stderr)
+        print(f"  see `{command} --help` for the accepted options; add --debug for the full traceback",
+              file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,17 +1,26 @@
+import csv
+import math
+import re
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from lightning_memkit.cli import main
+from lightning_memkit.cli import ConfigError, MemkitCLI, main
 
-CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_lm.yaml"
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+CONFIG = CONFIGS / "tiny_lm.yaml"
 TINY = [
     "--trainer.max_steps", "3", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
     "--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.seq_len", "32",
     "--data.seq_len", "32", "--data.batch_size", "4", "--data.max_bytes", "20000",
 ]
+LOSS_LINE = re.compile(r"train loss: first (\S+) -> last (\S+) over (\d+) steps")
 
 
 def demo_args(tmp_path):
@@ -19,7 +28,25 @@ def demo_args(tmp_path):
             "--trainer.logger.init_args.save_dir", str(tmp_path), *TINY]
 
 
-def test_demo_config_prints_the_memory_report(tmp_path, capsys):
+def eval_args(subcommand, tmp_path, config=CONFIG, overrides=TINY[6:]):
+    """``subcommand`` on a tiny model (``overrides``) without a logger, limited to 2 batches."""
+    return [subcommand, "--config", str(config), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger",
+            "false", f"--trainer.limit_{subcommand.replace('validate', 'val')}_batches", "2", *overrides]
+
+
+def config_error(capsys, args):
+    """Run ``main(args)``, which must stop on a configuration error; return its stderr lines."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args=args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("Seed set")]
+    assert "Traceback" not in err
+    assert len(lines) == 2 and lines[1].strip().startswith("see `memkit"), err
+    return lines
+
+
+def test_demo_config_prints_the_memory_report_and_trains(tmp_path, capsys):
     main(args=demo_args(tmp_path))
     out = capsys.readouterr().out
     report = out[out.index("memkit memory report"):]
@@ -31,23 +58,32 @@ def test_demo_config_prints_the_memory_report(tmp_path, capsys):
     written = [Path(line.strip()) for line in report.splitlines() if line.strip().endswith((".json", ".png"))]
     assert {p.suffix for p in written} == {".json", ".png"} and all(p.is_file() for p in written)
     assert all(tmp_path in p.parents for p in written)
-    # first and last loss
-    assert "train loss: first" in report and "over 3 steps" in report
+    # first and last loss: three steps ran and the loss fell (lr 3e-3 from a near-uniform start)
+    first, last, steps = LOSS_LINE.search(report).groups()
+    assert int(steps) == 3 and float(last) < float(first)
+    assert abs(float(first) - math.log(256)) < 0.2  # the untrained model is near uniform over 256 bytes
+    # the CSV logger wrote the logged train/val losses
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    assert any(r.get("val_loss") for r in rows)
 
 
 def test_other_module_by_class_path(tmp_path, capsys):
     args = [
-        "fit", "--model", "lightning_memkit.demo.TinyLM", "--data", "lightning_memkit.demo.ByteTextDataModule",
+        "fit", "--model", "lightning_memkit.demo.TinyMoE", "--data", "lightning_memkit.demo.ByteTextDataModule",
         "--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator", "cpu", "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false", *TINY,
+        "--trainer.enable_checkpointing", "false", *TINY[:8], "--model.d_model", "32", "--model.seq_len", "32",
+        "--model.n_experts", "4", "--model.top_k", "2", "--data.seq_len", "32", "--data.batch_size", "4",
+        "--data.max_bytes", "20000",
     ]
-    main(args=args)
+    cli = MemkitCLI(args=args)
     out = capsys.readouterr().out
+    assert type(cli.model).__name__ == "TinyMoE" and cli.trainer.global_step == 3
     assert "No memkit memory callback ran" in out  # no memory callbacks configured
-    assert "train loss: first" in out
+    assert int(LOSS_LINE.search(out).group(3)) == 3
 
 
-def test_torch_num_threads_applies_to_the_run_only(tmp_path, monkeypatch):
+def test_torch_num_threads_applies_to_the_run_only(tmp_path, monkeypatch, capsys):
     calls = []
     real = torch.set_num_threads
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
@@ -55,18 +91,195 @@ def test_torch_num_threads_applies_to_the_run_only(tmp_path, monkeypatch):
     main(args=[*demo_args(tmp_path), "--trainer.max_steps", "1", "--torch_num_threads", "3"])
     assert calls == [3, before]
     assert torch.get_num_threads() == before
-    with pytest.raises(ValueError, match=r"MemkitCLI\(torch_num_threads=0\): must be an int >= 1 or None"):
-        main(args=["fit", "--config", str(CONFIG), "--torch_num_threads", "0"])
+    calls.clear()
+    lines = config_error(capsys, ["fit", "--config", str(CONFIG), "--torch_num_threads", "0"])
+    assert lines[0] == ("memkit fit: error: torch_num_threads: MemkitCLI(torch_num_threads=0): must be an int >= 1 "
+                        "or None")
+    assert calls == [before]  # nothing applied, only the restore
+    assert torch.get_num_threads() == before
 
 
-def test_bad_model_argument_is_reported():
-    with pytest.raises(ValueError, match=r"loss='chunked'\) is not supported; allowed: 'standard', 'fused'"):
-        main(args=["fit", "--config", str(CONFIG), "--model.loss", "chunked", "--trainer.logger", "false"])
+@pytest.mark.parametrize("override, expected", [
+    (["--model.n_layers=-1"], "memkit fit: error: model.init_args.n_layers: TinyLM(n_layers=-1): must be an int >= 1"),
+    (["--model.loss", "chunked"],
+     "memkit fit: error: model.init_args.loss: TinyLM(loss='chunked') is not supported; allowed: 'standard', 'fused'"),
+    (["--model.n_layer=2"],
+     "memkit fit: error: model: Option 'n_layer' is not accepted by lightning_memkit.demo.TinyLM; "
+     "accepted: d_model, n_layers, n_heads, seq_len, lr, weight_decay, loss"),
+    (["--trainer.max_step=2"], "memkit fit: error: unrecognized arguments: --trainer.max_step=2"),  # no abbreviations
+    (["--trainer.max_steps=abc"], "memkit fit: error: trainer.max_steps: expected int. Got value: abc"),
+    (["--model.d_model=abc"], "memkit fit: error: model.d_model: expected int. Got value: abc"),
+    (["--model=lightning_memkit.demo.Nope"],
+     "memkit fit: error: model: class_path 'lightning_memkit.demo.Nope' cannot be imported: "
+     "module 'lightning_memkit.demo' has no attribute 'Nope'"),
+    (["--trainer.max_steps=-5"], "memkit fit: error: trainer: `max_steps` must be a non-negative integer or -1"),
+])
+def test_a_bad_config_value_is_one_line_naming_the_key(capsys, override, expected):
+    lines = config_error(capsys, ["fit", "--config", str(CONFIG), "--trainer.logger", "false", *override])
+    assert lines[0].startswith(expected), lines[0]
 
 
-def test_fused_loss_from_the_config(tmp_path, capsys):
-    main(args=[*demo_args(tmp_path), "--model.loss", "fused"])
-    report = capsys.readouterr().out
-    report = report[report.index("memkit memory report"):]
-    assert "train loss: first" in report and "over 3 steps" in report
-    assert "max step peak" in report
+def test_a_callback_constructor_error_names_its_config_entry(tmp_path, capsys):
+    config = yaml.safe_load(CONFIG.read_text())
+    config["trainer"]["callbacks"][0]["init_args"]["log_every_n_steps"] = 0  # PeakMemoryMonitor
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    lines = config_error(capsys, ["fit", "--config", str(path)])
+    assert lines[0] == ("memkit fit: error: trainer.callbacks[0].init_args.log_every_n_steps: "
+                        "PeakMemoryMonitor(log_every_n_steps=0): must be an int >= 1")
+
+
+def test_debug_flag_or_env_shows_the_traceback(monkeypatch):
+    args = ["fit", "--config", str(CONFIG), "--model.n_layers=-1"]
+    with pytest.raises(ConfigError, match=r"n_layers=-1") as info:
+        main(args=[*args, "--debug"])  # --debug anywhere; not passed on to the parser
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "TinyLM(n_layers=-1): must be an int >= 1" in str(info.value.__cause__)
+    monkeypatch.setenv("MEMKIT_DEBUG", "1")
+    with pytest.raises(ConfigError):
+        main(args=args)
+
+
+def test_an_error_while_training_keeps_its_traceback(tmp_path):
+    # the model's positions end at 16, the batches are 32 long: the first forward raises
+    with pytest.raises(ValueError, match=r"sequence length 32 exceeds TinyLM\(seq_len=16\)"):
+        main(args=["fit", "--config", str(CONFIG), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger",
+                   "false", *TINY, "--model.seq_len", "16"])
+
+
+def test_logger_false_twice_in_the_same_directory(tmp_path):
+    args = ["fit", "--config", str(CONFIG), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false",
+            *TINY]
+    first = MemkitCLI(args=[*args, "--trainer.max_steps", "1"])
+    second = MemkitCLI(args=[*args, "--trainer.max_steps", "2"])  # Lightning's default refuses: config.yaml exists
+    assert (first.trainer.global_step, second.trainer.global_step) == (1, 2)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 2  # the second run's configuration
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_validate_and_test_log_the_loss_of_the_untrained_model(tmp_path, subcommand):
+    cli = MemkitCLI(args=eval_args(subcommand, tmp_path))
+    key = "val_loss" if subcommand == "validate" else "test_loss"
+    loss = float(cli.trainer.callback_metrics[key])
+    assert abs(loss - math.log(256)) < 0.2  # near-uniform initial predictions over 256 bytes
+    assert cli.trainer.global_step == 0
+
+
+def test_predict_returns_the_greedy_next_bytes(tmp_path, capsys):
+    cli = MemkitCLI(args=eval_args("predict", tmp_path))
+    predictions = cli.trainer.predict_loop.predictions
+    assert len(predictions) == 2 and all(p.shape == (4, 32) and p.dtype == torch.int64 for p in predictions)
+    x, _ = next(iter(cli.datamodule.predict_dataloader()))
+    with torch.no_grad():
+        assert torch.equal(predictions[0], cli.model(x).argmax(-1))
+    assert "predict: 2 batches, 8 samples; first batch: torch.int64 tensor of shape (4, 32)" in capsys.readouterr().out
+
+
+def test_moe_and_hf_models_test_and_predict(tmp_path):
+    moe = MemkitCLI(args=eval_args("test", tmp_path, CONFIGS / "tiny_moe.yaml", [
+        "--model.d_model", "32", "--model.seq_len", "32", "--model.n_experts", "4", "--model.top_k", "2",
+        "--data.seq_len", "32", "--data.batch_size", "4", "--data.max_bytes", "20000",
+        "--trainer.enable_progress_bar", "false"]))
+    assert abs(float(moe.trainer.callback_metrics["test_loss"]) - math.log(256)) < 0.2
+    hf = [
+        "--trainer.enable_progress_bar", "false", "--model.hidden_size", "16", "--model.num_layers", "1",
+        "--data.seq_len", "16", "--data.batch_size", "2", "--data.max_bytes", "20000",
+    ]
+    config = CONFIGS / "hf_gpt_oss_checkpointing.yaml"
+    cli = MemkitCLI(args=eval_args("predict", tmp_path, config, hf))
+    predictions = cli.trainer.predict_loop.predictions
+    assert len(predictions) == 2 and all(p.shape == (2, 16) and p.dtype == torch.int64 for p in predictions)
+    batch = next(iter(cli.datamodule.predict_dataloader()))
+    with torch.no_grad():
+        assert torch.equal(predictions[0], cli.model.model(input_ids=batch["input_ids"]).logits.argmax(-1))
+    tested = MemkitCLI(args=eval_args("test", tmp_path, config, hf))
+    assert math.isfinite(float(tested.trainer.callback_metrics["test_loss"]))
+
+
+def test_compare_goes_to_the_compare_module(monkeypatch, capsys):
+    seen = []
+
+    def compare_main(argv):
+        seen.append(argv)
+        if "--bad" in argv:
+            raise ConfigError("--bad: not an option of memkit compare")
+
+    monkeypatch.setitem(sys.modules, "lightning_memkit.compare", types.SimpleNamespace(main=compare_main))
+    main(args=["compare", "--config", "c.yaml", "--debug", "--runs", "2"])
+    assert seen == [["--config", "c.yaml", "--runs", "2"]]
+    with pytest.raises(SystemExit) as info:
+        main(args=["compare", "--bad"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith("memkit compare: error: --bad: not an option of memkit compare\n")
+    with pytest.raises(ConfigError):
+        main(args=["compare", "--bad", "--debug"])
+
+
+def memkit(*args, cwd=None, timeout=280):
+    return subprocess.run([sys.executable, "-m", "lightning_memkit.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+SHORT = {
+    "fit": ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "1"],
+    "validate": ["--trainer.limit_val_batches", "2"],
+    "test": ["--trainer.limit_test_batches", "2"],
+    "predict": ["--trainer.limit_predict_batches", "2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_subcommand_runs_every_shipped_config(tmp_path, config):
+    for subcommand, extra in SHORT.items():
+        root = tmp_path / subcommand
+        proc = memkit(subcommand, "--config", str(CONFIGS / config), "--trainer.default_root_dir", str(root),
+                      "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", *extra)
+        assert proc.returncode == 0, f"{subcommand}: {proc.stderr[-3000:]}"
+        out = proc.stdout
+        if subcommand == "fit":
+            assert re.search(r"over 2 steps", out), out[-2000:]
+        elif subcommand in ("validate", "test"):
+            metric = "val_loss" if subcommand == "validate" else "test_loss"
+            value = float(re.search(rf"{metric}\s*│\s*(\S+)", out).group(1))
+            assert math.isfinite(value) and 3 < value < 8  # near ln(256) = 5.55 for these untrained models
+        else:  # the pipeline returns the last layer's output (logits), the models their greedy next tokens
+            kind = r"torch.float32 tensor of shape \(\d+, \d+, 256\)" if "pipeline" in config else "torch.int64 tensor"
+            assert re.search(rf"predict: 2 batches, \d+ samples; first batch: {kind}", out), out[-2000:]
+
+
+SAVE_PREDICTIONS = """
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class SavePredictions(Callback):
+    def __init__(self, path: str):
+        self.path, self.outputs = path, []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.outputs.append(outputs)
+
+    def on_predict_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            torch.save(self.outputs, self.path)
+"""
+
+
+@pytest.mark.slow
+def test_pipeline_predict_agrees_with_one_process(tmp_path):
+    (tmp_path / "save_predictions.py").write_text(SAVE_PREDICTIONS)
+    common = ["predict", "--config", str(CONFIGS / "tiny_lm_pipeline.yaml"), "--trainer.logger", "false",
+              "--trainer.enable_progress_bar", "false", "--trainer.limit_predict_batches", "2",
+              "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks+=save_predictions.SavePredictions"]
+    env_cwd = tmp_path  # save_predictions is importable from the working directory
+    piped = memkit(*common, f"--trainer.callbacks.path={tmp_path / 'pipe.pt'}", cwd=env_cwd)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    single = memkit(*common, f"--trainer.callbacks.path={tmp_path / 'one.pt'}", "--trainer.strategy", "auto",
+                    "--trainer.devices", "1", cwd=env_cwd)
+    assert single.returncode == 0, single.stderr[-3000:]
+    logits, tokens = torch.load(tmp_path / "pipe.pt"), torch.load(tmp_path / "one.pt")
+    assert [t.shape for t in logits] == [(32, 128, 256)] * 2 and [t.shape for t in tokens] == [(32, 128)] * 2
+    agree = torch.cat([(lg.argmax(-1) == tk).flatten() for lg, tk in zip(logits, tokens)]).float().mean()
+    assert agree > 0.999  # same weights (seed 0), same batches: the same greedy bytes up to float ties

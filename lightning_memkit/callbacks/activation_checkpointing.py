@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
@@ -38,9 +38,10 @@ from lightning_memkit.memory.activation_recompute import (
     select_modules,
 )
 from lightning_memkit.memory.checkpoint_plan import CheckpointPlan, layer_savings, plan_checkpointing, predicted_peak
-from lightning_memkit.memory.live_peak import LivePeak
+from lightning_memkit.memory.live_peak import LivePeak, unmeasured
 from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
 from lightning_memkit.memory.storage import unique_storage_bytes
+from lightning_memkit.progress import WorkProgress, progress_enabled
 from lightning_memkit.validation import check_int
 
 __all__ = ["ActivationCheckpointing", "AUTO"]
@@ -158,6 +159,7 @@ class ActivationCheckpointing(Callback):
         self._device: str = "cpu"
         self._offload_patch: contextlib.ExitStack | None = None
         self._cache_patch: contextlib.ExitStack | None = None
+        self._progress = WorkProgress("ActivationCheckpointing planning run", enabled=False)
 
     # -- hooks -------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -199,14 +201,29 @@ class ActivationCheckpointing(Callback):
         if not self._needs_plan:
             return
         self._needs_plan = False
-        plan, measured = self._make_plan(trainer, pl_module, batch, batch_idx)
+        self._progress = WorkProgress("ActivationCheckpointing planning run", enabled=progress_enabled(trainer))
+        with unmeasured():  # the planning runs are no part of this step's peak (PeakMemoryMonitor)
+            plan, measured = self._make_plan(trainer, pl_module, batch, batch_idx)
         self.plan, self.measured_peak_bytes = plan, measured
         self._wrap(plan.layers)
-        rank_zero_info(
-            f"ActivationCheckpointing: recomputing {len(plan.layers)} of {len(plan.savings)} layers "
-            f"({', '.join(plan.layers) or 'none'}); step peak predicted {plan.predicted_peak} bytes, measured "
-            f"{measured} bytes, budget {plan.budget_bytes} bytes (nothing recomputed: {plan.baseline_peak} bytes)"
-        )
+        if measured > plan.budget_bytes:
+            rank_zero_warn(plan_message(plan, measured))
+        else:
+            rank_zero_info(plan_message(plan, measured))
+
+    def memory_effect(self) -> str:
+        """One line: the layers recomputed and, with a budget, the activation bytes recomputed instead of kept."""
+        if not self.checkpointed:
+            return "ActivationCheckpointing: no layer recomputed"
+        names = ", ".join(self.checkpointed[:4]) + (", ..." if len(self.checkpointed) > 4 else "")
+        head = f"ActivationCheckpointing: {len(self.checkpointed)} layers recomputed ({names})"
+        plan = self.plan
+        if plan is None:
+            return f"{head}; activation bytes saved not measured (budget_bytes=None: nothing was profiled)"
+        saved = sum(plan.savings[name] for name in plan.layers)
+        return (f"{head}; {saved:,} activation bytes recomputed in backward instead of kept (measured by the "
+                f"planning runs on the first batch); step peak {plan.baseline_peak:,} -> {self.measured_peak_bytes:,} "
+                f"bytes measured, budget {plan.budget_bytes:,} bytes")
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._restore()
@@ -320,6 +337,7 @@ class ActivationCheckpointing(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, wrapped: list[str]
     ) -> tuple[int, dict[str, int], dict[str, int]]:
         """One forward+backward of ``training_step`` outside the loop: peak, per-candidate activations and inputs."""
+        self._progress.step(f"({len(wrapped)} of {len(self._candidates)} layers recomputed)")
         candidates = self._modules([name for name, _ in self._candidates])
         inputs: Counter = Counter()
         hooks = [
@@ -365,3 +383,26 @@ class ActivationCheckpointing(Callback):
             counts[name] += unique_storage_bytes((args, kwargs))
 
         return hook
+
+
+def plan_message(plan: CheckpointPlan, measured: int) -> str:
+    """The plan in words, saying plainly whether the measured peak reaches the budget and how the prediction compares.
+
+    Example::
+
+        >>> from lightning_memkit.memory import plan_checkpointing
+        >>> plan = plan_checkpointing({"a": 30, "b": 50}, baseline_peak=200, budget_bytes=160)
+        >>> print(plan_message(plan, measured=170))  # doctest: +NORMALIZE_WHITESPACE
+        ActivationCheckpointing: recomputing 1 of 2 layers (b); budget 160 bytes NOT reached with this plan: step
+        peak measured 170 bytes (predicted 150 bytes; nothing recomputed: 200 bytes)
+    """
+    head = f"ActivationCheckpointing: recomputing {len(plan.layers)} of {len(plan.savings)} layers " \
+           f"({', '.join(plan.layers) or 'none'}); "
+    tail = f"(predicted {plan.predicted_peak} bytes; nothing recomputed: {plan.baseline_peak} bytes)"
+    if measured > plan.budget_bytes:
+        return (f"{head}budget {plan.budget_bytes} bytes NOT reached with this plan: step peak measured {measured} "
+                f"bytes {tail}")
+    note = ""
+    if plan.predicted_peak > plan.budget_bytes:
+        note = f"; the prediction {plan.predicted_peak} bytes is above the budget, the measured peak decides"
+    return (f"{head}step peak measured {measured} bytes, within the budget of {plan.budget_bytes} bytes {tail}{note}")

@@ -84,6 +84,14 @@ class AllocatorWarmupGuard(Callback):
             self._logged = True
             log.info("AllocatorWarmupGuard: %s", self._guard.decision.reason)
 
+    def memory_effect(self) -> str:
+        """One line: the warmup decision and how many warmup calls it applied to."""
+        decision = self.decision
+        if decision is None:
+            return "AllocatorWarmupGuard: not active (no setup ran)"
+        calls = len(self.calls)
+        return f"AllocatorWarmupGuard: {decision.reason}; {calls} warmup call{'' if calls == 1 else 's'} during setup"
+
     def _release(self) -> None:
         self._guard.release()
 

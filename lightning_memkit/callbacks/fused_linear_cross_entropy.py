@@ -60,6 +60,9 @@ class FusedLinearCrossEntropy(Callback):
                                     owner="FusedLinearCrossEntropy")
         self.backend = check_choice(backend, "backend", ("auto", "torch", "triton"), owner="FusedLinearCrossEntropy")
         self._stack: contextlib.ExitStack | None = None
+        self.fused_calls = 0
+        self.logits_bytes_avoided = 0
+        self.max_logits_bytes = 0
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from lightning_memkit.hf import fused_linear_cross_entropy
@@ -67,14 +70,39 @@ class FusedLinearCrossEntropy(Callback):
         self._exit()
         models = find_causal_lms(pl_module)
         stack = contextlib.ExitStack()
+        self.fused_calls = self.logits_bytes_avoided = self.max_logits_bytes = 0
         try:
             for model in models:
                 stack.enter_context(fused_linear_cross_entropy(model, chunk_size=self.chunk_size,
                                                                backend=self.backend))
+                stack.callback(model.register_forward_hook(self._count, with_kwargs=True).remove)
         except BaseException:
             stack.close()
             raise
         self._stack = stack
+
+    def _count(self, model: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        """After a fused call (``logits`` is ``None``): add the bytes the logits would have taken."""
+        labels = kwargs.get("labels")
+        if labels is None or getattr(output, "logits", 0) is not None:
+            return
+        keep = kwargs.get("logits_to_keep", 0)
+        if not isinstance(keep, int):
+            return  # index tensors: the logits' rows are not known here
+        tokens = labels.numel() if keep == 0 else labels.shape[0] * keep
+        head = model.lm_head.weight
+        nbytes = tokens * head.shape[0] * head.element_size()
+        self.fused_calls += 1
+        self.logits_bytes_avoided += nbytes
+        self.max_logits_bytes = max(self.max_logits_bytes, nbytes)
+
+    def memory_effect(self) -> str:
+        """One line: the logits bytes the fused loss did not materialize (tokens x vocab in the head's dtype)."""
+        if not self.fused_calls:
+            return "FusedLinearCrossEntropy: no forward call with labels ran fused during this fit"
+        return (f"FusedLinearCrossEntropy: logits not materialized in {self.fused_calls} forward calls, "
+                f"{self.max_logits_bytes:,} bytes per call at most ({self.logits_bytes_avoided:,} bytes in all; "
+                "tokens x vocab x the lm_head's element size)")
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._exit()

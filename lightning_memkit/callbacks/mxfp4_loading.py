@@ -10,6 +10,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_memkit.loading.meta_buffers import meta_tensor_names
 from lightning_memkit.loading.safetensors_loader import LoadResult, load_mxfp4_into
+from lightning_memkit.memory.storage import format_bytes
+from lightning_memkit.progress import progress_enabled
 from lightning_memkit.validation import check_bool, check_int
 
 __all__ = ["MXFP4CheckpointLoader"]
@@ -42,7 +44,8 @@ class MXFP4CheckpointLoader(Callback):
             LightningModule itself.
         strict: every checkpoint entry must map to a module tensor and the reverse.
         rows_per_chunk: packed rows dequantized per chunk (default: automatic, bounded).
-        progress: show a rich progress bar on rank 0.
+        progress: log one info line per tensor loaded, on global rank 0 while the trainer's progress bar is on
+            (:class:`~lightning_memkit.progress.WorkProgress`).
         measure: record the host RSS peak and LivePeak's tensor bytes of the load in ``result.memory``
             (``LivePeak``'s dispatch mode adds some tens of microseconds per op to the load).
 
@@ -120,11 +123,27 @@ class MXFP4CheckpointLoader(Callback):
             log.info("MXFP4CheckpointLoader: %s is on the meta device; loading %s to create its tensors before "
                      "the weights of %s replace them", type(target).__name__, self.path, trainer.ckpt_path)
         self.result = load_mxfp4_into(target, self.path, strict=self.strict, rows_per_chunk=self.rows_per_chunk,
-                                      progress=self.progress and trainer.is_global_zero, device=device,
+                                      progress=self.progress and progress_enabled(trainer, require_terminal=False),
+                                      device=device,
                                       init_buffers=init_hf_buffers if holds_hf_model(target) else None,
                                       measure=self.measure)
         if trainer.is_global_zero and self.result.memory is not None:
             log.info("MXFP4CheckpointLoader: %s: %s", self.path, self.result.memory)
+
+    def memory_effect(self) -> str:
+        """One line: what the load wrote and its measured peak (tensor storage and host RSS), in bytes."""
+        result = self.result
+        if result is None:
+            why = "the run resumed from a Lightning checkpoint" if self._done else "no stage has started"
+            return f"MXFP4CheckpointLoader: nothing loaded ({why})"
+        line = (f"MXFP4CheckpointLoader: {len(result.loaded)} tensors loaded from {self.path} "
+                f"({len(result.dequantized)} dequantized from MXFP4)")
+        memory = result.memory
+        if memory is None:
+            return line + "; load peak not measured (measure=False)"
+        rss = "" if memory.rss_peak_bytes is None else f", host RSS peak {memory.rss_peak_bytes:,} bytes"
+        return (f"{line}; load peak: tensor storage {memory.tensor_peak_bytes:,} bytes "
+                f"({format_bytes(memory.tensor_peak_bytes)}){rss}")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._load(trainer, pl_module)

@@ -9,11 +9,14 @@ Example::
     trainer = Trainer(callbacks=[monitor])
     trainer.fit(model)
     monitor.summary["max_step_peak_bytes"]   # the largest step peak over all ranks, in bytes
+    print(monitor.static_table)              # parameter, gradient and optimizer bytes per module
+    monitor.effects                          # one line per active memkit feature
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -24,7 +27,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torchmetrics import MaxMetric, MeanMetric
 
 from lightning_memkit.memory import LivePeak, resolve_device
+from lightning_memkit.memory.report import StaticMemoryTable, static_memory_table
 from lightning_memkit.memory.storage import format_bytes
+from lightning_memkit.report import memory_effects
 from lightning_memkit.validation import check_int
 
 __all__ = ["PeakMemoryMonitor"]
@@ -53,12 +58,26 @@ class PeakMemoryMonitor(Callback):
     At the end of training ``summary`` holds a dict and, on global rank 0 with ``verbose``, a table is
     printed.
 
+    Around that: at fit start, ``static_table`` holds :func:`~lightning_memkit.memory.report.static_memory_table`
+    of the LightningModule with the trainer's optimizers (parameter, gradient and optimizer-state bytes
+    per top-level module), printed on global rank 0 with ``verbose``; at the end of training ``effects``
+    holds one line per active memkit feature (:func:`~lightning_memkit.report.memory_effects`), printed
+    after the table. Planning runs of other features (``ActivationCheckpointing``'s budget probes) are
+    excluded from the step peak.
+
+    ``timeline`` records one step in detail: the first measured step, on global rank 0. On CPU a PNG of
+    the live bytes after every allocation and free of the step (``LivePeak``'s count), with backward and
+    the optimizer step marked; on CUDA a ``torch.cuda.memory`` snapshot (a pickle that
+    https://pytorch.org/memory_viz opens). ``True`` writes ``memkit_timeline.png`` (CPU) or
+    ``memkit_memory_snapshot.pickle`` (CUDA) in the trainer's ``default_root_dir``; a path writes there.
+
     Args:
         log_every_n_steps: write every n-th measured step peak to the loggers.
         device: the device to measure (``None``: the LightningModule's device). Accepts what
             :func:`~lightning_memkit.memory.resolve_device` accepts.
         cpu_sample_every_n_steps: on non-CUDA devices, measure one batch in this many (default 10).
-        verbose: print the summary table at the end of training.
+        verbose: print the static table at fit start and the summary and feature lines at the end of training.
+        timeline: ``False``, ``True`` or a file path: record the first measured step (see above).
     """
 
     def __init__(
@@ -67,6 +86,7 @@ class PeakMemoryMonitor(Callback):
         device: torch.device | str | int | None = None,
         cpu_sample_every_n_steps: int = 10,
         verbose: bool = True,
+        timeline: bool | str | os.PathLike = False,
     ):
         self.log_every_n_steps = check_int(log_every_n_steps, "log_every_n_steps", minimum=1, owner="PeakMemoryMonitor")
         self.cpu_sample_every_n_steps = check_int(
@@ -74,11 +94,18 @@ class PeakMemoryMonitor(Callback):
         )
         if not isinstance(verbose, bool):
             raise TypeError(f"PeakMemoryMonitor(verbose=...) must be a bool, got {type(verbose).__name__}")
+        if not isinstance(timeline, (bool, str, os.PathLike)) or timeline == "":
+            raise TypeError(f"PeakMemoryMonitor(timeline={timeline!r}): must be a bool or a file path")
         self._requested_device = resolve_device(device) if device is not None else None
         if self._requested_device is not None and self._requested_device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"PeakMemoryMonitor(device={device!r}): CUDA is not available; use 'cpu' or None")
         self.verbose = verbose
+        self.timeline = timeline
+        self.timeline_path: str | None = None  # the file written by the last fit, if any
+        self.static_table: StaticMemoryTable | None = None
+        self.effects: list[str] = []
+        self._timeline = _Timeline(None)
         self.device: torch.device | None = self._requested_device
         self.summary: dict[str, Any] = {}
         self.last_step_peak: int | None = None
@@ -108,8 +135,27 @@ class PeakMemoryMonitor(Callback):
             m.set_dtype(torch.float64)  # after .to(), which does not keep it
         self._pending = _no_pending()
         self.summary = {}
+        self.effects = []
+        self.static_table = None
         self.last_step_peak = self.last_step_peak_allocated = None
         self._batches = self._measured = 0
+        self._timeline = _Timeline(self._timeline_target(trainer))
+        self.timeline_path = None
+
+    def _timeline_target(self, trainer: Trainer) -> str | None:
+        if self.timeline is False or not trainer.is_global_zero:
+            return None
+        if self.timeline is True:
+            name = "memkit_memory_snapshot.pickle" if self.uses_cuda_counters else "memkit_timeline.png"
+            return os.path.join(trainer.default_root_dir, name)
+        return os.fspath(self.timeline)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.static_table = static_memory_table(pl_module, trainer.optimizers)
+        if self.verbose and trainer.is_global_zero:
+            from rich.console import Console
+
+            Console().print(self.static_table.table())
 
     @property
     def uses_cuda_counters(self) -> bool:
@@ -120,14 +166,22 @@ class PeakMemoryMonitor(Callback):
         self._close_tracker()  # a step skipped by `on_train_batch_start` returning -1 never reached batch end
         index, self._batches = self._batches, self._batches + 1
         if self.uses_cuda_counters:
+            self._timeline.start_cuda()
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_start = torch.cuda.memory_allocated(self.device)
             return
         if index % self.cpu_sample_every_n_steps:
             return
         tracker = LivePeak()
+        self._timeline.start_cpu(tracker, str(self.device))
         tracker.__enter__()
         self._tracker = tracker
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._timeline.mark("backward")
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._timeline.mark("optimizer step")
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -138,12 +192,14 @@ class PeakMemoryMonitor(Callback):
             allocated = torch.cuda.max_memory_allocated(self.device)
             self._record(trainer, allocated - self._cuda_start, allocated)
             self._cuda_start = None
+            self.timeline_path = self._timeline.finish() or self.timeline_path
             return
         tracker = self._tracker
         if tracker is None:
             return
         if self._close_tracker():
             self._record(trainer, self._device_peak(tracker), None)
+            self.timeline_path = self._timeline.finish() or self.timeline_path
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_tracker()
@@ -169,16 +225,22 @@ class PeakMemoryMonitor(Callback):
             "mean_step_peak_bytes": None if mean is None else float(mean),
             "max_step_peak_allocated_bytes": None if allocated is None else int(allocated),
         }
+        self.effects = memory_effects(trainer)
         if self.verbose and trainer.is_global_zero:
             from rich.console import Console
 
-            Console().print(self.table())
+            console = Console()
+            console.print(self.table())
+            for line in self.effects:
+                console.print(line, markup=False, highlight=False)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close_tracker()
+        self._timeline.stop()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._close_tracker()
+        self._timeline.stop()
 
     # -- report ------------------------------------------------------------------------------------
     def table(self, title: str = "Peak memory per training step"):
@@ -270,6 +332,7 @@ class PeakMemoryMonitor(Callback):
         tracker, self._tracker = self._tracker, None
         if tracker is None:
             return False
+        tracker.on_change = None
         mode = tracker._mode
         whole = mode is not None and any(m is mode for m in _get_current_dispatch_mode_stack())
         tracker.__exit__(None, None, None)
@@ -280,6 +343,78 @@ class PeakMemoryMonitor(Callback):
                 "steps are not recorded."
             )
         return whole
+
+
+class _Timeline:
+    """One recorded step: LivePeak's live bytes per change on CPU (a PNG), the allocator history on CUDA."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.samples: list[int] = []
+        self.marks: list[tuple[int, str]] = []
+        self._state = "idle" if path is not None else "done"  # idle -> cpu | cuda -> done
+
+    def start_cpu(self, tracker: LivePeak, device: str) -> None:
+        if self._state != "idle":
+            return
+        self._state, self.samples, self.marks = "cpu", [0], []
+
+        def sample(dev: str, live: int) -> None:
+            if dev == device:
+                self.samples.append(live)
+
+        tracker.on_change = sample
+
+    def start_cuda(self) -> None:
+        if self._state == "idle":
+            self._state = "cuda"
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def mark(self, label: str) -> None:
+        if self._state == "cpu":
+            self.marks.append((len(self.samples) - 1, label))
+
+    def finish(self) -> str | None:
+        """Write the recorded step; the path written, or ``None`` when nothing was being recorded."""
+        state, self._state = self._state, "done"
+        if state == "cuda":
+            torch.cuda.memory._dump_snapshot(self.path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+        elif state == "cpu":
+            _plot_timeline(self.path, self.samples, self.marks)
+        else:
+            return None
+        log.info("PeakMemoryMonitor: memory timeline of one step written to %s", self.path)
+        return self.path
+
+    def stop(self) -> None:
+        """Stop recording without writing (an exception, or a fit that ended before a measured step)."""
+        if self._state == "cuda":
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self._state = "done"
+
+
+def _plot_timeline(path: str, samples: list[int], marks: list[tuple[int, str]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    try:
+        ax.step(range(len(samples)), samples, where="post", label="live bytes")
+        for x, label in marks:
+            ax.axvline(x, color="gray", linestyle="--", linewidth=1)
+            ax.annotate(label, (x, max(samples)), rotation=90, va="top", ha="right", fontsize=8)
+        peak = max(samples)
+        ax.set_title(f"Live tensor bytes during one training step (peak {peak:,} bytes, {format_bytes(peak)})")
+        ax.set_xlabel("allocation / free event (forward from the left)")
+        ax.set_ylabel("bytes created in the step and alive")
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 class _NullIO:

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_memkit.memory.live_peak import LivePeak
 from lightning_memkit.memory.referrers import ReferrerReport, find_referrers, tensors_with_storages
-from lightning_memkit.memory.release import empty_device_cache, release_optimizer_state
+from lightning_memkit.memory.release import _storage_refs, empty_device_cache, release_optimizer_state
 from lightning_memkit.memory.storage import has_storage, storage_key, tensors_in
 from lightning_memkit.validation import check_int
 
@@ -50,6 +50,7 @@ class PhaseReleaseResult:
     retained_bytes: int | None
     peak_bytes: int | None
     report: ReferrerReport | None = None
+    grad_bytes: int = 0  # gradient storage freed by dropping the parameters' ``.grad``
 
 
 def drop_model_log_refs(callbacks: Iterable[Callback], pl_module: LightningModule) -> int:
@@ -191,16 +192,18 @@ class PhaseMemoryRelease(Callback):
         del optimizers
         strategy.optimizers = []
         strategy.lr_scheduler_configs = []
+        grads = _storage_refs([p.grad for p in pl_module.parameters() if p.grad is not None], skip=set())
         pl_module.zero_grad(set_to_none=True)
         drop_model_log_refs(trainer.callbacks, pl_module)
         if stage == "predict":
             loop = trainer.predict_loop
             if hasattr(loop, "_predictions"):
                 loop._predictions = []  # rebind: the list handed back to the caller stays intact
-        cache = empty_device_cache(strategy.root_device)
+        cache = empty_device_cache(strategy.root_device)  # collects garbage first
+        grad_bytes = sum(n for ref, n in grads.values() if ref() is None)
         live = self._live
         if live is None:
-            return PhaseReleaseResult(stage, freed, cache, None, None)
+            return PhaseReleaseResult(stage, freed, cache, None, None, grad_bytes=grad_bytes)
         owned = _keys([*pl_module.parameters(), *pl_module.buffers()])
         owned |= _keys(tensors_in(self._data_holders(trainer), max_depth=6))
         retained = {k: n for k, n, _dev, _tag in live.live_storages() if k not in owned}
@@ -210,7 +213,7 @@ class PhaseMemoryRelease(Callback):
             tensors = tensors_with_storages(retained)
             report = find_referrers(tensors, min_bytes=self.min_report_bytes, ignore=[self, live])
             del tensors
-        return PhaseReleaseResult(stage, freed, cache, retained_bytes, live.peak_bytes, report)
+        return PhaseReleaseResult(stage, freed, cache, retained_bytes, live.peak_bytes, report, grad_bytes)
 
     @staticmethod
     def _data_holders(trainer: Trainer) -> list[Any]:
@@ -226,6 +229,7 @@ class PhaseMemoryRelease(Callback):
         retained = result.retained_bytes
         summary = (
             f"PhaseMemoryRelease after {result.stage}: optimizer state {result.optimizer_state_bytes} bytes freed, "
+            f"gradients {result.grad_bytes} bytes freed, "
             f"device cache {result.device_cache_bytes} bytes returned"
             + (f", {retained} bytes still alive from the phase" if retained is not None else "")
         )
@@ -239,6 +243,17 @@ class PhaseMemoryRelease(Callback):
         if self.strict:
             raise MemoryRetainedError(message)
         log.warning(message)
+
+    def memory_effect(self) -> str:
+        """One line: the bytes each release so far freed (optimizer state, gradients) and handed back (cache)."""
+        if not self.results:
+            return (f"PhaseMemoryRelease: nothing released yet (it releases when {', '.join(self.after)} ends, at "
+                    "teardown: after the end-of-fit report; see .results then)")
+        parts = [f"after {r.stage}: {r.optimizer_state_bytes + r.grad_bytes:,} bytes freed (optimizer state "
+                 f"{r.optimizer_state_bytes:,}, gradients {r.grad_bytes:,}), device cache {r.device_cache_bytes:,} "
+                 "bytes returned" + ("" if r.retained_bytes is None else f", {r.retained_bytes:,} bytes still alive")
+                 for r in self.results]
+        return "PhaseMemoryRelease: " + "; ".join(parts)
 
     def _close(self) -> None:
         live, self._live = self._live, None

@@ -70,6 +70,16 @@ class StageBoundaryRelease(Callback):
         self._stack: ExitStack | None = None
         self._warned_unmarked = False
 
+    def memory_effect(self) -> str:
+        """One line: tensors and bytes freed early over all steps, and releases refused and kept."""
+        if not self.enabled:
+            return "StageBoundaryRelease: disabled (enabled=False)"
+        if not self.released and not self.kept:
+            return "StageBoundaryRelease: no stage_boundary release ran (no marked tensor in the training steps)"
+        kept = f"; {self.kept} refused and kept" if self.kept else ""
+        return (f"StageBoundaryRelease: {self.released_bytes:,} bytes freed early ({self.released} tensors released "
+                f"before their layer's backward, over all steps){kept}")
+
     def _close(self) -> None:
         if self._stack is None:
             return

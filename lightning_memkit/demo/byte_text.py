@@ -117,7 +117,7 @@ class ByteTextDataModule(pl.LightningDataModule):
     Args:
         batch_size: windows per batch.
         seq_len: tokens per window (the model's context).
-        val_fraction: tail of the corpus kept for validation (also served as the test set).
+        val_fraction: tail of the corpus kept for validation (also served as the test and predict sets).
         max_bytes: cap on the corpus size.
         samples_per_epoch: training windows per epoch (default: corpus bytes // seq_len); the validation
             set has ``max(batch_size, that * val_fraction)`` windows.
@@ -188,4 +188,8 @@ class ByteTextDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         """The held-out tail again (the corpus has no separate test split)."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out windows again, in the batch format of training (a model's ``predict_step`` picks the inputs)."""
         return self.val_dataloader()

@@ -80,5 +80,13 @@ class HFCausalLM(pl.LightningModule):
         self.log("test_loss", loss)
         return loss
 
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Greedy next-token predictions: the argmax token after each position, int64 ``(batch, time)``.
+
+        Only ``input_ids`` (and ``attention_mask`` if present) are used; ``labels`` are ignored.
+        """
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        return self.model(**inputs).logits.argmax(dim=-1)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)

@@ -261,6 +261,20 @@ class TinyMoE(pl.LightningModule):
         self.log("val_loss", ce, prog_bar=True)
         return ce
 
+    def test_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """The validation loss (cross-entropy, no auxiliary term) on the test batches, logged as ``test_loss``."""
+        ce, _ = self._loss(batch)
+        self.log("test_loss", ce)
+        return ce
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """Greedy next-byte predictions: the argmax byte after each position, int64 ``(batch, time)``.
+
+        ``batch`` is ``(x, y)`` as in training (``y`` is ignored) or the tokens ``x`` alone.
+        """
+        tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(tokens).argmax(dim=-1)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]

@@ -146,6 +146,20 @@ class TinyLM(pl.LightningModule):
         self.log("val_loss", loss, prog_bar=True)
         return loss
 
+    def test_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """The validation loss on the test batches, logged as ``test_loss``."""
+        loss = self._loss(batch)
+        self.log("test_loss", loss)
+        return loss
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """Greedy next-byte predictions: the argmax byte after each position, int64 ``(batch, time)``.
+
+        ``batch`` is ``(x, y)`` as in training (``y`` is ignored) or the tokens ``x`` alone.
+        """
+        tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(tokens).argmax(dim=-1)
+
     def pipeline_layers(self) -> nn.ModuleList:
         """Layers in order for ``strategy="memkit_pipeline"``: embeddings, blocks, final norm, head."""
         from lightning_memkit.demo.pipeline_layers import tiny_lm_layers

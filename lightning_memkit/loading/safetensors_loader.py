@@ -59,6 +59,7 @@ from lightning_memkit.loading.stream import split_mxfp4_name
 from lightning_memkit.memory.device import resolve_device
 from lightning_memkit.memory.host_rss import HostRSS, MemoryReport
 from lightning_memkit.memory.live_peak import LivePeak
+from lightning_memkit.progress import WorkProgress
 from lightning_memkit.validation import check_bool, check_int
 
 __all__ = ["TensorInfo", "LoadResult", "read_safetensors_header", "checkpoint_manifest", "load_mxfp4_into"]
@@ -387,14 +388,6 @@ class _Reader:
         return buf.view(info.dtype).reshape(info.shape)
 
 
-def _progress(enabled: bool):
-    if not enabled:
-        return contextlib.nullcontext(None)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("loading {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-
-
 def _check_args(module, path, strict, device, rows_per_chunk, progress, init_buffers, measure) -> torch.device | None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -434,7 +427,8 @@ def load_mxfp4_into(
         device: where to create tensors that are on the meta device (required if there are any); a tied
             meta parameter is created once and stays tied. Others are written in place, on their device.
         rows_per_chunk: see :func:`dequantize_mxfp4`.
-        progress: show a rich progress bar (per tensor); progress is also logged at debug level.
+        progress: log one info line per tensor written (:class:`~lightning_memkit.progress.WorkProgress`);
+            each tensor is also logged at debug level.
         init_buffers: ``init_buffers(module, names)`` fills the non-persistent buffers ``names`` (in no
             checkpoint) that were on meta, after they were allocated on ``device``; required when there are
             any. It runs before any checkpoint entry is written; if it raises, or leaves one of them unwritten,
@@ -491,19 +485,17 @@ def _write(module, items, targets, reader: _Reader, device, rows_per_chunk, prog
     meta = any(targets[it.target].device.type == "meta" for it in items)
     locs = tensor_locations(module) if meta else {}
     replaced: dict[int, torch.Tensor] = {}
-    with _progress(progress) as bar:
-        task = bar.add_task(label, total=len(items)) if bar is not None else None
-        for n, item in enumerate(items, 1):
-            target = targets[item.target]
-            if target.device.type == "meta":
-                if id(target) not in replaced:
-                    replaced[id(target)] = materialize(target, device, locs)
-                    result.materialized.append(item.target)
-                target = replaced[id(target)]
-            _write_one(item, target, reader, rows_per_chunk, result)
-            log.debug("loaded %s (%d/%d)%s", item.target, n, len(items), " [MXFP4]" if item.mxfp4 else "")
-            if bar is not None:
-                bar.update(task, advance=1)
+    bar = WorkProgress(f"loading {label}", total=len(items), enabled=progress)
+    for n, item in enumerate(items, 1):
+        target = targets[item.target]
+        if target.device.type == "meta":
+            if id(target) not in replaced:
+                replaced[id(target)] = materialize(target, device, locs)
+                result.materialized.append(item.target)
+            target = replaced[id(target)]
+        _write_one(item, target, reader, rows_per_chunk, result)
+        log.debug("loaded %s (%d/%d)%s", item.target, n, len(items), " [MXFP4]" if item.mxfp4 else "")
+        bar.step(item.target + (" [MXFP4]" if item.mxfp4 else ""))
 
 
 def _write_one(item: _Item, target: torch.Tensor, reader: _Reader, rows_per_chunk, result: LoadResult) -> None:

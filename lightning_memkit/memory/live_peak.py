@@ -21,9 +21,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from lightning_memkit.memory.storage import has_storage, iter_op_tensors, storage_key
 
-__all__ = ["LivePeak", "DeviceBytes", "note_storage_resized"]
+__all__ = ["LivePeak", "DeviceBytes", "note_storage_resized", "unmeasured"]
 
 _ACTIVE: list[LivePeak] = []  # trackers currently inside their block, innermost last
 
@@ -41,6 +42,33 @@ def note_storage_resized(t: torch.Tensor) -> None:
     """Tell the active trackers that ``t``'s storage changed size outside an op (``resize_`` on it)."""
     for tracker in list(_ACTIVE):
         tracker._resync(t)
+
+
+@contextlib.contextmanager
+def unmeasured() -> Iterator[None]:
+    """Peaks reached inside the block do not count for the trackers open around it (planning and probe runs).
+
+    Each :class:`LivePeak` active at entry keeps its peak from before the block, raised only to the bytes
+    still alive when the block ends (storages that the block created and kept do count), and its
+    ``on_change`` sampler is not called inside the block. On CUDA the
+    allocator's peak counters restart at the end of the block, so a ``max_memory_allocated`` read later
+    does not see the block's peak either.
+    """
+    saved = [(t, t.peak_bytes, {d: b.peak for d, b in t.by_device.items()}, t.on_change) for t in _ACTIVE]
+    for tracker in _ACTIVE:
+        tracker.on_change = None  # a timeline sampler skips the block too
+    try:
+        yield
+    finally:
+        for tracker, peak, by_device, on_change in saved:
+            with tracker._lock:
+                tracker.on_change = on_change
+                tracker.peak_bytes = max(peak, tracker.live_bytes)
+                for name, d in tracker.by_device.items():
+                    d.peak = max(by_device.get(name, 0), d.live)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
 
 
 @dataclass
@@ -108,6 +136,8 @@ class LivePeak:
         by_device: ``{"cpu": DeviceBytes(live, peak), "cuda:0": ...}``.
         cuda_peak_delta: on CUDA, ``max_memory_allocated`` during the block minus the bytes allocated
             at entry, per device (``None`` elsewhere); a cross-check that includes kernel workspaces.
+        on_change: optional callable ``(device, live_bytes_on_device)`` called after every change of the
+            count (a timeline sampler); ``None`` by default.
 
     Args:
         tag: optional callable called with no arguments at each allocation; its result is stored with
@@ -126,6 +156,7 @@ class LivePeak:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.cuda_peak_delta: dict[str, int] | None = None
+        self.on_change: Callable[[str, int], None] | None = None
 
     # -- context -----------------------------------------------------------------------------------
     def __enter__(self) -> LivePeak:
@@ -219,3 +250,5 @@ class LivePeak:
         d.peak = max(d.peak, d.live)
         self.live_bytes += delta
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.on_change is not None:
+            self.on_change(device, d.live)

@@ -508,6 +508,28 @@ class PipelineRuntime:
         return self._mean_loss(m, sizes)
 
     @torch.no_grad()
+    def predict_step(self, inputs: Any) -> Any:
+        """Forward only, no loss: the last layer's output for the whole batch on the last stage's rank, else ``None``.
+
+        Cut into microbatches and walked like :meth:`eval_step`; the microbatch outputs are concatenated along
+        dim 0 (element-wise for a tuple). With ``fused_head`` the head is applied here, so the output is logits.
+        """
+        first = self._first_tensor(inputs)
+        m = sum(1 for c in torch.tensor_split(first, self.microbatches) if c.shape[0] > 0)
+        chunks = [torch.tensor_split(t, m) for t in self._args(inputs)]
+        tail = dict(zip(self.stage_indices, self.modules)).get(self.partition.num_stages - 1)
+        outputs = []
+        for mb in range(m):
+            out = self._eval_microbatch(tuple(c[mb] for c in chunks))
+            if out is not None:
+                outputs.append(tail.head(out) if self.fused_head else out)
+        if not outputs:
+            return None
+        if isinstance(outputs[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*outputs))
+        return torch.cat(outputs)
+
+    @torch.no_grad()
     def _observe(self, inputs: Any, target: Any) -> None:
         """The forward pass without gradients that a :class:`BatchLoss` with ``observes_forward`` sees first."""
         chunks = [torch.tensor_split(t, self.microbatches) for t in self._args(inputs)]

@@ -51,6 +51,7 @@ from lightning_memkit.hf.qlora import (
     output_embedding_names,
     prepare_experts,
 )
+from lightning_memkit.memory.report import logical_numel, parameter_storage_bytes
 from lightning_memkit.ops.lora import LoRAAdapter, check_lora_args, freeze_base_
 from lightning_memkit.ops.nosave_matmul import nosave_linear
 from lightning_memkit.validation import check_choice
@@ -343,6 +344,9 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         self.lora_rank = lora_rank
         self.lora_alpha = float(lora_alpha)
         self.lora_dropout = float(lora_dropout)
+        #: ``(layer name, dense bytes in dtype, packed bytes with quant state)`` per Linear weight quantized
+        self.quantized_weights: list[tuple[str, int, int]] = []
+        self.experts_converted = 0
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Replace the Linear layers (Lightning's conversion), quantize them where they are, add LoRA adapters.
@@ -380,6 +384,7 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
                 conversion.apply()
             for _, model in hf_models(module):
                 freeze_base_(model, self.dtype)
+        self.experts_converted = len(conversions)
         log.debug("NoSaveBitsandbytesPrecision: %d experts modules converted to %s", len(conversions), self.mode)
         return module
 
@@ -396,7 +401,24 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
             if self.lora_rank > 0:
                 layer.add_lora(self.lora_rank, self.lora_alpha, self.lora_dropout)
         log.debug("NoSaveBitsandbytesPrecision: %d Linear layers converted to %s", len(layers), self.mode)
+        self.quantized_weights = [
+            (name, logical_numel(m.weight) * self.dtype.itemsize, parameter_storage_bytes(m.weight))
+            for name, m in module.named_modules() if isinstance(m, ours) and m.is_quantized
+        ]
         return module
+
+    def memory_effect(self) -> str:
+        """One line: weight bytes saved by quantization (dense bytes in ``dtype`` minus packed ones, quant state in)."""
+        weights = self.quantized_weights
+        if not weights:
+            return "NoSaveBitsandbytesPrecision: no Linear layer was quantized"
+        dense = sum(d for _, d, _ in weights)
+        packed = sum(q for _, _, q in weights)
+        return (f"NoSaveBitsandbytesPrecision: {len(weights)} Linear weights quantized to {self.mode}: "
+                f"{dense:,} bytes dense in {str(self.dtype).removeprefix('torch.')} -> {packed:,} bytes packed "
+                f"(with quant state), {dense - packed:,} bytes saved"
+                + (f"; {self.experts_converted} MoE experts modules quantized too, not counted here"
+                   if self.experts_converted else ""))
 
     @staticmethod
     def _check_no_foreign_layers(module: nn.Module, bnb: Any, ours: tuple[type, ...]) -> None:

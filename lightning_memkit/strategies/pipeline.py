@@ -21,11 +21,12 @@ rank's stages (the other layers move to the ``meta`` device) and restricts every
 parameters. ``training_step`` runs the whole microbatched forward and backward through the schedule and
 returns the mean loss (broadcast from the last stage, logged as ``train_loss``); Lightning's own
 backward is skipped (its ``on_before_backward``/``on_after_backward`` hooks still run). Validation and
-test run forward only and log ``val_loss``/``test_loss``. Checkpoints are crash-consistent directories (one
+test run forward only and log ``val_loss``/``test_loss``; predict returns the last layer's output (an
+LM's logits) for each batch on every rank. Checkpoints are crash-consistent directories (one
 shard per rank, committed by a ``manifest.json``; see :mod:`lightning_memkit.pipeline.checkpoint`); resuming
 restores the same split.
 
-The LightningModule's own ``training_step``/``validation_step`` are not called, and after ``fit`` each
+The LightningModule's own ``training_step``/``validation_step``/``predict_step`` are not called, and after ``fit`` each
 rank holds only its layers (:func:`load_pipeline_state_dict` merges a checkpoint's shards).
 
 Example::
@@ -76,6 +77,7 @@ from lightning_memkit.pipeline.runtime import (
     measure_pipeline_costs,
     split_batch_size,
 )
+from lightning_memkit.progress import WorkProgress, progress_enabled
 from lightning_memkit.validation import ArgumentTypeError, check_choice, check_int, check_number
 
 __all__ = ["MemkitPipelineStrategy", "load_pipeline_state_dict", "PROTOCOL"]
@@ -379,8 +381,6 @@ class MemkitPipelineStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if trainer.state.fn == TrainerFn.PREDICTING:
-            raise NotImplementedError("strategy='memkit_pipeline' does not support predict; use validate or test")
         if fitting:
             self._check_training_config(trainer)
         self.precision_plugin.convert_module(self.model)
@@ -406,6 +406,17 @@ class MemkitPipelineStrategy(ParallelStrategy):
                 f"memkit_pipeline: {partition.schedule}, {partition.num_stages} stages of {list(partition.sizes)} "
                 f"layers ({partition.method}); predicted peak per rank [MiB]: {peaks}"
             )
+
+    def memory_effect(self) -> str:
+        """One line: the stages, their layers and the predicted peak of each stage and rank, in bytes."""
+        partition = self.partition
+        if partition is None:
+            return "memkit_pipeline: not set up (no partition)"
+        stages = ", ".join(f"{b:,}" for b in partition.stage_peak_bytes)
+        ranks = ", ".join(f"{b:,}" for b in partition.predicted_peak_bytes)
+        return (f"memkit_pipeline: {partition.num_stages} stages of {list(partition.sizes)} layers "
+                f"({partition.method}, {partition.schedule}); predicted peak per stage [bytes]: {stages}; per rank: "
+                f"{ranks} (predicted from the measured layer costs, not measured during training)")
 
     def _check_training_config(self, trainer: Any) -> None:
         module = self.lightning_module
@@ -470,11 +481,20 @@ class MemkitPipelineStrategy(ParallelStrategy):
         target = move_data_to_device(_slice(target, mb), self.root_device)
         plan = self._plan
         assert plan is not None
-        with torch.random.fork_rng(devices=_rng_devices(self.root_device)):
-            costs = measure_pipeline_costs(
-                layers, inputs, target, loss_fn=plan.loss_fn, optimizer=optimizer, fused_head=plan.fused_head,
-                device=self.root_device,
-            )
+        progress = WorkProgress("memkit_pipeline measuring layer", total=len(layers),
+                                enabled=progress_enabled(trainer))
+        hooks = [layer.register_forward_hook(lambda m, *_: progress.step(type(m).__name__)) for layer in layers]
+        try:
+            with torch.random.fork_rng(devices=_rng_devices(self.root_device)):
+                costs = measure_pipeline_costs(
+                    layers, inputs, target, loss_fn=plan.loss_fn, optimizer=optimizer, fused_head=plan.fused_head,
+                    device=self.root_device,
+                )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if plan.fused_head:  # the head is measured through the fused loss, without a forward call of its own
+            progress.step(f"{type(layers[-1]).__name__} (with the fused loss)")
         return partition_layers(costs, num_stages, max_bytes_per_rank=self.max_bytes_per_rank, **kwargs)
 
     def _sample_batch(self, trainer: Any) -> Any:
@@ -482,6 +502,7 @@ class MemkitPipelineStrategy(ParallelStrategy):
             TrainerFn.FITTING: trainer.fit_loop,
             TrainerFn.VALIDATING: trainer.validate_loop,
             TrainerFn.TESTING: trainer.test_loop,
+            TrainerFn.PREDICTING: trainer.predict_loop,
         }
         source = getattr(loops.get(trainer.state.fn), "_data_source", None)
         hint = "or pass partition='uniform', 'parameters' or explicit sizes to MemkitPipelineStrategy"
@@ -559,7 +580,15 @@ class MemkitPipelineStrategy(ParallelStrategy):
         return self._eval("test_loss", self.precision_plugin.test_step_context(), args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("strategy='memkit_pipeline' does not support predict; use validate or test")
+        """The last layer's output for the batch (an LM's logits), broadcast from the last stage to every rank.
+
+        The batch has the training format (its target is not used); the module's ``predict_step`` is not called.
+        """
+        runtime = self._runtime_or_raise()
+        inputs, _ = self._inputs(args[0] if args else kwargs["batch"])
+        with self.precision_plugin.predict_step_context():
+            output = runtime.predict_step(inputs)
+        return self.broadcast(output, src=runtime.partition.stage_ranks[-1])
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:

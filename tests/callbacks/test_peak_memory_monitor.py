@@ -276,3 +276,103 @@ def test_cuda_step_peaks_use_allocator_counters():
     assert all(a >= e for a, e in zip(allocated, expected))
     assert monitor.summary["method"] == "torch.cuda.max_memory_allocated"
     assert monitor.summary["max_step_peak_bytes"] == max(expected)
+
+
+# -- static table at fit start, feature lines at the end, planning runs excluded, timeline ----------------------
+class AdamModule(LinearModule):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def test_static_table_at_fit_start_and_feature_lines_at_the_end(capsys):
+    from lightning_memkit.callbacks import StageBoundaryRelease
+
+    monitor = PeakMemoryMonitor()
+    fit(AdamModule(), [monitor, StageBoundaryRelease()], max_steps=1)
+    table = monitor.static_table
+    params = sum(p.numel() * 4 for p in AdamModule().parameters())  # 577 fp32 elements
+    assert [r.name for r in table.rows] == ["net"] and table.total.param_bytes == params == 2308
+    assert table.total.grad_bytes == params and table.grad_source == "expected"
+    # AdamW, not stepped at fit start: exp_avg + exp_avg_sq per element, a 4-byte step per tensor (4 tensors)
+    assert table.total.optimizer_bytes == 2 * params + 4 * 4 and table.optimizer_source == "expected"
+    assert monitor.effects == [
+        "StageBoundaryRelease: no stage_boundary release ran (no marked tensor in the training steps)"
+    ]
+    out = capsys.readouterr().out
+    assert "Static memory per module" in out and "2,308" in out
+    assert out.index("Static memory per module") < out.index("Peak memory per training step")
+    assert "StageBoundaryRelease: no stage_boundary release ran" in out
+
+
+def _ac_fit(order, budget):
+    from lightning_memkit.callbacks import ActivationCheckpointing
+    from lightning_memkit.demo import TinyLM
+
+    class SGDTinyLM(TinyLM):  # no optimizer state: the step peak is forward + backward
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    model = SGDTinyLM(d_model=32, n_layers=2, n_heads=2, seq_len=64)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64)))
+    monitor = PeakMemoryMonitor(cpu_sample_every_n_steps=1, verbose=False)
+    checkpointing = ActivationCheckpointing(budget_bytes=budget)
+    callbacks = [monitor, checkpointing] if order == "monitor first" else [checkpointing, monitor]
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    return monitor, checkpointing
+
+
+def test_planning_runs_are_not_part_of_the_step_peak():
+    _, unconstrained = _ac_fit("monitor after", budget=10**9)
+    baseline = unconstrained.plan.baseline_peak  # the first planning run: nothing recomputed
+    first, checkpointing = _ac_fit("monitor first", budget=baseline - 1)  # the probes run inside the monitor's step
+    after, _ = _ac_fit("monitor after", budget=baseline - 1)  # the monitor's tracker opens after the probes
+    assert checkpointing.checkpointed and checkpointing.plan.baseline_peak == baseline
+    assert after.summary["max_step_peak_bytes"] < baseline  # so a probe counted in the step would show
+    assert first.summary["max_step_peak_bytes"] == after.summary["max_step_peak_bytes"]
+    assert first.summary["mean_step_peak_bytes"] == after.summary["mean_step_peak_bytes"]
+    assert_no_mode_left()
+
+
+def test_cpu_timeline_png_of_one_step(tmp_path):
+    logger = CaptureLogger()
+    path = tmp_path / "sub" / "timeline.png"
+    monitor = PeakMemoryMonitor(cpu_sample_every_n_steps=1, verbose=False, timeline=str(path))
+    fit(LinearModule(), [monitor], logger, max_steps=2)
+    assert monitor.timeline_path == str(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    samples, marks = monitor._timeline.samples, monitor._timeline.marks
+    first_step_peak = logger.values("memkit/step_peak_bytes")[0][1]
+    assert max(samples) == first_step_peak  # the plotted curve is the measured step
+    assert [label for _, label in marks] == ["backward", "optimizer step"]
+    assert 0 < marks[0][0] < marks[1][0] < len(samples)
+
+
+def test_timeline_true_writes_into_default_root_dir(tmp_path):
+    monitor = PeakMemoryMonitor(cpu_sample_every_n_steps=1, verbose=False, timeline=True)
+    fit(LinearModule(), [monitor], max_steps=1, default_root_dir=tmp_path)
+    assert monitor.timeline_path == str(tmp_path / "memkit_timeline.png")
+    assert (tmp_path / "memkit_timeline.png").is_file()
+
+
+@pytest.mark.parametrize("timeline", [1, None, ""])
+def test_bad_timeline(timeline):
+    with pytest.raises(TypeError, match=r"PeakMemoryMonitor\(timeline=.*must be a bool or a file path"):
+        PeakMemoryMonitor(timeline=timeline)
+
+
+@pytest.mark.cuda
+def test_cuda_timeline_is_a_memory_snapshot(tmp_path):
+    import pickle
+
+    path = tmp_path / "snapshot.pickle"
+    monitor = PeakMemoryMonitor(device="cuda", verbose=False, timeline=str(path))
+    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=2, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, logger=False, callbacks=[monitor])
+    trainer.fit(LinearModule())
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    assert "segments" in snapshot and "device_traces" in snapshot
+    assert monitor.timeline_path == str(path)

@@ -1,0 +1,124 @@
+"""Importing lightning_memkit: lazy (no Lightning for the pure-torch parts), quiet, fast, and registering
+``strategy="memkit_pipeline"`` whichever of it and Lightning comes first."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import lightning_memkit
+
+ADAPTERS = {
+    "ActivationCheckpointing": "lightning_memkit.callbacks",
+    "AllocatorWarmupGuard": "lightning_memkit.callbacks",
+    "PeakMemoryMonitor": "lightning_memkit.callbacks",
+    "PhaseMemoryRelease": "lightning_memkit.callbacks",
+    "SavedTensorProfiler": "lightning_memkit.callbacks",
+    "StageBoundaryRelease": "lightning_memkit.callbacks",
+    "NoSaveBitsandbytesPrecision": "lightning_memkit.plugins",
+    "MemkitPipelineStrategy": "lightning_memkit.strategies",
+}
+CORE = {
+    "cross_entropy": "lightning_memkit.ops", "linear_cross_entropy": "lightning_memkit.ops",
+    "lm_head_loss": "lightning_memkit.ops", "padded_index_gather": "lightning_memkit.ops",
+    "LivePeak": "lightning_memkit.memory", "DeferredFree": "lightning_memkit.memory",
+    "release_storage": "lightning_memkit.memory", "profile_saved_tensors": "lightning_memkit.memory",
+    "LayerCost": "lightning_memkit.pipeline", "Partition": "lightning_memkit.pipeline",
+    "partition_layers": "lightning_memkit.pipeline", "dequantize_mxfp4": "lightning_memkit.loading",
+    "load_mxfp4_into": "lightning_memkit.loading", "stream_dequantize": "lightning_memkit.loading",
+}
+
+
+def run_python(code: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *flags, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.parametrize("module", ["lightning_memkit", "lightning_memkit.ops", "lightning_memkit.memory"])
+def test_pure_torch_imports_load_no_lightning_and_are_fast(module):
+    proc = run_python(f"""
+        import sys, time
+        import torch
+        t0 = time.perf_counter()
+        import {module}
+        took = time.perf_counter() - t0
+        heavy = sorted(m for m in sys.modules if m == "lightning" or m.startswith(("lightning.", "pytorch_lightning",
+                       "transformers", "bitsandbytes", "torch.distributed.pipelining")))
+        print(took)
+        print(heavy)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    took, heavy = proc.stdout.splitlines()
+    assert heavy == "[]"
+    assert float(took) < 1.5, f"import {module} took {took} s beyond import torch"
+
+
+def test_every_public_name_resolves_lazily_to_its_home():
+    assert set(ADAPTERS) | set(CORE) <= set(lightning_memkit.__all__)
+    assert set(lightning_memkit.__all__) <= set(dir(lightning_memkit))
+    import importlib
+
+    for name, home in {**CORE, **ADAPTERS}.items():
+        assert getattr(lightning_memkit, name) is getattr(importlib.import_module(home), name), name
+    with pytest.raises(AttributeError, match="module 'lightning_memkit' has no attribute 'nope'"):
+        lightning_memkit.nope  # noqa: B018
+
+
+def test_an_import_error_inside_the_package_propagates(monkeypatch):
+    monkeypatch.delitem(lightning_memkit.__dict__, "NoSaveBitsandbytesPrecision", raising=False)
+    monkeypatch.setitem(sys.modules, "lightning_memkit.plugins", None)  # a broken subpackage
+    with pytest.raises(ImportError, match="lightning_memkit.plugins"):
+        lightning_memkit.NoSaveBitsandbytesPrecision  # noqa: B018
+
+
+REGISTRY_CHECK = """
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import StrategyRegistry
+    from lightning_memkit.strategies import MemkitPipelineStrategy
+    hooks = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
+    trainer = Trainer(strategy="memkit_pipeline", accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    import lightning.pytorch as pl
+    print(type(trainer.strategy) is MemkitPipelineStrategy, "memkit_pipeline" in StrategyRegistry, hooks,
+          type(pl.__loader__).__name__, type(pl.__spec__.loader).__name__)
+"""
+
+
+@pytest.mark.parametrize("first", [
+    "import lightning.pytorch\nimport lightning_memkit",                  # Lightning first: registered at once
+    "import lightning_memkit\nimport lightning.pytorch",                  # memkit first: registered by the hook
+    "import lightning_memkit\nimport lightning",                          # via the top-level lightning package
+    "import lightning_memkit\nfrom lightning.pytorch.strategies import StrategyRegistry",  # via a submodule
+])
+def test_memkit_pipeline_is_registered_whichever_is_imported_first(first):
+    proc = run_python("import sys\n" + first + textwrap.dedent(REGISTRY_CHECK))
+    assert proc.returncode == 0, proc.stderr
+    # the hook left sys.meta_path and lightning.pytorch kept its own loader
+    assert proc.stdout.split("\n")[-2] == "True True [] SourceFileLoader SourceFileLoader"
+
+
+def test_the_hook_waits_for_lightning_and_leaves_other_imports_alone():
+    proc = run_python("""
+        import sys
+        import lightning_memkit
+        hooks = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
+        import json, lightning_memkit.ops, lightning_memkit.memory  # unrelated imports: hook stays, untouched
+        still = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
+        print(len(hooks), still == hooks, "lightning.pytorch" in sys.modules)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1 True False"
+
+
+def test_importing_every_submodule_prints_nothing():
+    proc = run_python("""
+        import importlib, pkgutil
+        import lightning_memkit
+        names = [m.name for m in pkgutil.walk_packages(lightning_memkit.__path__, "lightning_memkit.")]
+        assert len(names) > 40, names
+        for name in names:
+            importlib.import_module(name)
+    """, "-W", "default")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
