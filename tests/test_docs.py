@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["docs/hf.md", "docs/nosave_bitsandbytes.md", "docs/mxfp4_loading.md"]
+PAGES = ["docs/hf.md", "docs/nosave_bitsandbytes.md", "docs/mxfp4_loading.md", "docs/report.md"]
 BLOCK = re.compile(r"(<!-- not run: [^>]*-->\s*)?```python\n(.*?)```", re.S)
 
 
