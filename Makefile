@@ -19,7 +19,10 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/memkit fit --config examples/configs/tiny_lm.yaml
+	$(VENV)/bin/memkit compare --config examples/configs/tiny_lm.yaml
 
+# Lint, the tests and the package's docstring examples. Tests marked slow (several processes, long runs) are
+# skipped: `make test MEMKIT_RUN_SLOW=1` (what .ci/run does) runs them too.
 test: $(STAMP)
 	$(VENV)/bin/ruff check lightning_memkit tests benchmarks examples
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \

@@ -125,6 +125,14 @@ def memory_report(trainer: Trainer) -> list[Any]:
     return parts
 
 
+def report_console() -> Any:
+    """A ``rich`` console for reports: the terminal's width, or 120 columns in a log file or a pipe."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=120)
+
+
 class ConfigError(ValueError):
     """A bad value in a ``memkit`` configuration; the message names the key and what is allowed.
 
@@ -318,10 +326,9 @@ class MemkitCLI(LightningCLI):
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:
             return
-        from rich.console import Console
         from rich.rule import Rule
 
-        console = Console()
+        console = report_console()
         console.print(Rule("memkit memory report"))
         for part in memory_report(self.trainer):
             if isinstance(part, str):  # plain text (paths included) is printed as is, never wrapped
