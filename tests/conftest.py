@@ -14,6 +14,14 @@ HAS_CUDA = torch.cuda.is_available()
 RUN_SLOW = os.environ.get("MEMKIT_RUN_SLOW", "") == "1"
 
 
+def pytest_ignore_collect(collection_path):
+    """Only ``test_*.py`` here: ``--doctest-modules`` would import the worker scripts, which run as processes of
+    their own (one makes every later import of Lightning fail)."""
+    if collection_path.suffix == ".py" and not collection_path.name.startswith("test_"):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_slow = pytest.mark.skip(reason="long run: set MEMKIT_RUN_SLOW=1")

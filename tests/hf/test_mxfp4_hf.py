@@ -189,12 +189,3 @@ def test_callback_loads_a_meta_built_model_inside_a_trainer(checkpoint, referenc
     assert loader.result.initialized == ROPE and loader.result.memory is not None
     assert not any(t.is_meta for _, t in every_tensor(module))
     assert trainer.global_step == 2
-
-
-def test_docstring_examples_run():
-    import doctest
-
-    from lightning_memkit.hf import meta_init
-
-    result = doctest.testmod(meta_init, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0, result

@@ -7,7 +7,6 @@ compares every step with a plain single-process Trainer run.
 
 from __future__ import annotations
 
-import doctest
 import functools
 import json
 import os
@@ -28,7 +27,6 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_memkit.demo import HFCausalLM  # noqa: E402
 from lightning_memkit.demo.hf_models import tiny_hf_causal_lm  # noqa: E402
-from lightning_memkit.hf import pipeline_stages  # noqa: E402
 from lightning_memkit.hf.pipeline_stages import (  # noqa: E402
     SUPPORTED_MODEL_TYPES,
     causal_lm_stages,
@@ -195,11 +193,6 @@ def test_masks_are_built_once_per_stage_call(monkeypatch):
     assert calls == {"full": 2, "sliding": 3}
 
 
-def test_module_docstring_examples_run():
-    result = doctest.testmod(pipeline_stages, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0, result
-
-
 # -- refusals ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("batch", "error", "match"),
@@ -349,6 +342,7 @@ def _wait(procs: list[subprocess.Popen], t0: float, limit: float) -> None:
         assert p.returncode == 0, out[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(TorchVersion(torch.__version__) < TUPLES_SINCE, reason=f"needs torch >= {TUPLES_SINCE}")
 def test_two_ranks_train_hf_models_as_a_single_process_trainer(tmp_path):

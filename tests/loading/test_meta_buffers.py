@@ -113,12 +113,3 @@ def test_initialize_meta_buffers_alone():
     model = meta_net()
     initialize_meta_buffers(model, ["rope.positions"], "cpu", recompute)
     assert model.rope.positions.tolist() == [0, 1, 2, 3] and model.rope.inv_freq.is_meta
-
-
-def test_docstring_examples_run():
-    import doctest
-
-    from lightning_memkit.loading import meta_buffers
-
-    result = doctest.testmod(meta_buffers, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0, result

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -9,10 +11,20 @@ from lightning_memkit.memory import (
 )
 
 
-def test_cpu_memory_positive():
-    assert device_total_memory("cpu") > 0
+def test_cpu_memory_is_physical_memory_or_a_lower_cgroup_limit(monkeypatch):
+    from lightning_memkit.memory import device as device_module
+
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert device_total_memory("cpu") <= phys
     assert effective_device_memory("cpu") == device_total_memory("cpu")
     assert active_device_index("cpu") is None
+    monkeypatch.setattr(device_module, "_physical_memory", lambda: 8 * 2**30)
+    monkeypatch.setattr(device_module, "_cgroup_limit", lambda: None)
+    assert device_total_memory("cpu") == 8 * 2**30
+    monkeypatch.setattr(device_module, "_cgroup_limit", lambda: 2 * 2**30)
+    assert device_total_memory("cpu") == 2 * 2**30
+    monkeypatch.setattr(device_module, "_physical_memory", lambda: None)
+    assert device_total_memory("cpu") == 2 * 2**30
 
 
 def test_unknown_device_string_names_argument():

@@ -103,6 +103,12 @@ def test_no_host_sync_without_validation(reduction):
         loss = linear_cross_entropy(leaves[0], leaves[1], target, bias=leaves[2], reduction=reduction,
                                     chunk_size=8, softcap=3.0, validate=False)
         loss.sum().backward()
+    ref_leaves = _leaves(x, w, b)
+    ref = _reference(*ref_leaves, target, reduction, {"softcap": 3.0})
+    ref.sum().backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    for name, ours, theirs in zip(("dx", "dW", "db"), leaves, ref_leaves):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_peak_memory_is_gradients_plus_one_chunk():

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import doctest
-
 import pytest
 import torch
 from torch import nn
 
-import lightning_memkit.pipeline.runtime as runtime_module
 from lightning_memkit.pipeline import BatchLoss, LayerChain, measure_layer_costs, stage_scratch
 from lightning_memkit.pipeline.runtime import measure_pipeline_costs
 
@@ -103,8 +100,3 @@ def test_costs_of_layers_that_pass_tuples():
     loss = Mean()
     measure_pipeline_costs(layers, (x, mask), torch.zeros(4), loss_fn=loss, optimizer="sgd")
     assert loss.started == (torch.Size([4]), 1)  # a BatchLoss is told about the one measured microbatch
-
-
-def test_runtime_docstring_examples_run():
-    result = doctest.testmod(runtime_module, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0, result

@@ -75,6 +75,7 @@ def _within_15_percent(peak: dict) -> bool:
     return peak["measured"] > 0 and abs(peak["predicted"] - peak["measured"]) <= 0.15 * peak["measured"]
 
 
+@pytest.mark.slow
 def test_two_ranks_match_single_process_for_every_schedule(tmp_path):
     """Loss, gradients, SGD steps and eval agree with the unsplit model for all five schedules (and a fused head).
 
@@ -100,6 +101,7 @@ def test_two_ranks_match_single_process_for_every_schedule(tmp_path):
             assert _within_15_percent(peak), (rank, schedule, peak)
 
 
+@pytest.mark.slow
 def test_four_ranks_predicted_peak_within_15_percent_of_measured(tmp_path):
     """1F1B over 4 ranks: each rank's LivePeak in a steady-state step is within 15% of the partition's prediction."""
     results = launch("peak", 4, tmp_path)
@@ -111,6 +113,7 @@ def test_four_ranks_predicted_peak_within_15_percent_of_measured(tmp_path):
         assert set(_json(tmp_path, rank)) == {"peak", "1f1b", "dualpipev"}
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_makes_the_others_fail_not_hang(tmp_path):
     """The last of 3 ranks hangs: the others raise within the process-group timeout plus slack; nobody waits forever."""
     pg_timeout = 4.0

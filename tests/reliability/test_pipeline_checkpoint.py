@@ -7,7 +7,6 @@ steps, or a truncated one, that loaded without a word (or with a bare unpickling
 
 from __future__ import annotations
 
-import doctest
 import json
 import multiprocessing
 import os
@@ -121,11 +120,6 @@ def files(directory: Path) -> list[str]:
 
 def committed_files(directory: Path) -> list[str]:
     return sorted([MANIFEST, *(s["file"] for s in read_manifest(directory)["shards"])])
-
-
-def test_docstring_examples_run():
-    """Old code: there was no checkpoint module (the strategy wrote pickles inline)."""
-    assert doctest.testmod(ckpt, raise_on_error=False).failed == 0
 
 
 def test_round_trip_and_overwrite_in_place(tmp_path):
@@ -354,6 +348,7 @@ def _wait(procs: list[subprocess.Popen], budget: float) -> list[tuple[int, str]]
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("phase", "victim"),
     [("before_shard", 0), ("during_shard", 1), ("after_shard", 1), ("before_manifest", 0), ("during_manifest", 0)],

@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_memkit
@@ -65,8 +66,20 @@ def test_bad_arguments_fail_at_construction(kwargs, error, match):
         MemkitPipelineStrategy(**kwargs)
 
 
-def test_timeout_reaches_the_process_group_settings():
-    assert MemkitPipelineStrategy(timeout=7)._timeout == timedelta(seconds=7)
+def test_a_missing_rank_fails_the_set_up_after_the_timeout(monkeypatch):
+    """Rank 0 of 2 alone: torch's rendezvous gives up after ``timeout`` seconds, not Lightning's 30 minutes."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # set again by the set-up: restored after the test
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    strategy = MemkitPipelineStrategy(timeout=1.5, parallel_devices=[torch.device("cpu")] * 2,
+                                      cluster_environment=LightningEnvironment())
+    t0 = time.monotonic()
+    with pytest.raises(torch.distributed.DistStoreError, match=r"waiting for clients\. 1/2 clients joined"):
+        strategy.setup_distributed()
+    assert 1.5 <= time.monotonic() - t0 < 15
+    assert not torch.distributed.is_initialized()
+
+
+def test_explicit_partition_sizes_are_kept():
     assert MemkitPipelineStrategy(partition=[1, 2, 3]).partition_method == [1, 2, 3]
 
 
