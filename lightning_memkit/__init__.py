@@ -89,6 +89,9 @@ def register_pipeline_strategy() -> None:
         >>> "memkit_pipeline" in StrategyRegistry
         True
     """
+    module = sys.modules.get("lightning_memkit.strategies.pipeline")
+    if module is not None and not hasattr(module, "MemkitPipelineStrategy"):
+        return  # that module is importing Lightning right now: it registers its class itself once defined
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_memkit.strategies.pipeline import MemkitPipelineStrategy

@@ -90,6 +90,8 @@ REGISTRY_CHECK = """
     "import lightning_memkit\nimport lightning.pytorch",                  # memkit first: registered by the hook
     "import lightning_memkit\nimport lightning",                          # via the top-level lightning package
     "import lightning_memkit\nfrom lightning.pytorch.strategies import StrategyRegistry",  # via a submodule
+    "from lightning_memkit.strategies import MemkitPipelineStrategy",   # the strategy module imports Lightning
+    "from lightning_memkit.callbacks import PeakMemoryMonitor",        # a callback module imports Lightning
 ])
 def test_memkit_pipeline_is_registered_whichever_is_imported_first(first):
     proc = run_python("import sys\n" + first + textwrap.dedent(REGISTRY_CHECK))

@@ -28,7 +28,6 @@ Example (one process per rank, process group initialized, same ``layers`` everyw
 from __future__ import annotations
 
 import contextvars
-import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_memkit.pipeline.config import schedule_class
 from lightning_memkit.pipeline.cost import LayerCost, measure_layer_costs, static_cost
 from lightning_memkit.pipeline.partition import Partition
 from lightning_memkit.validation import check_int
@@ -44,7 +44,6 @@ __all__ = [
     "BatchLoss",
     "LayerChain",
     "PipelineRuntime",
-    "SCHEDULE_CLASSES",
     "check_microbatches",
     "split_batch_size",
     "cross_stage_shared",
@@ -52,30 +51,6 @@ __all__ = [
     "measure_pipeline_costs",
     "stage_scratch",
 ]
-
-# schedule name -> class name in torch.distributed.pipelining
-SCHEDULE_CLASSES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-
-
-def schedule_class(schedule: str) -> type:
-    """The ``torch.distributed.pipelining`` class for ``schedule`` (``ValueError`` if this torch lacks it)."""
-    if schedule not in SCHEDULE_CLASSES:
-        raise ValueError(f"schedule={schedule!r} is not supported; allowed: {', '.join(map(repr, SCHEDULE_CLASSES))}")
-    module = importlib.import_module("torch.distributed.pipelining")
-    cls = getattr(module, SCHEDULE_CLASSES[schedule], None)
-    if cls is None:
-        raise ValueError(
-            f"schedule={schedule!r} needs torch.distributed.pipelining.{SCHEDULE_CLASSES[schedule]}, which torch "
-            f"{torch.__version__} does not have"
-        )
-    return cls
-
 
 def check_microbatches(schedule: str, num_stages: int, microbatches: int, num_ranks: int) -> None:
     """Raise ``ValueError`` where ``schedule`` cannot run ``microbatches`` over ``num_stages`` stages."""

@@ -44,33 +44,32 @@ import atexit
 import gc
 import pickle
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_memkit.pipeline import (
-    SCHEDULES,
     Partition,
     evaluate_partition,
     parameter_balanced_partition,
     partition_layers,
-    resolve_stages_per_rank,
     static_cost,
     uniform_partition,
 )
 from lightning_memkit.pipeline import checkpoint as ckpt_format
+from lightning_memkit.pipeline.config import PipelineConfig
+from lightning_memkit.pipeline.gradients import average_gradients, clip_global_norm
 from lightning_memkit.pipeline.runtime import (
     PipelineRuntime,
     check_microbatches,
@@ -78,7 +77,8 @@ from lightning_memkit.pipeline.runtime import (
     split_batch_size,
 )
 from lightning_memkit.progress import WorkProgress, progress_enabled
-from lightning_memkit.validation import ArgumentTypeError, check_choice, check_int, check_number
+from lightning_memkit.strategies.process_group import ProcessGroupStrategy
+from lightning_memkit.validation import check_choice
 
 __all__ = ["MemkitPipelineStrategy", "load_pipeline_state_dict", "PROTOCOL"]
 
@@ -87,47 +87,8 @@ _HF_LAYOUT = (
     "a transformers causal LM (a PreTrainedModel with .model.embed_tokens, .model.layers, .model.norm, "
     ".model.rotary_emb and an nn.Linear .lm_head)"
 )
-_METHODS = ("memory", "uniform", "parameters")
 _OWNER = "MemkitPipelineStrategy"
-
-
-def _check_schedule(schedule: Any) -> str:
-    if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not supported; allowed: {', '.join(map(repr, SCHEDULES))}")
-    return schedule.lower()
-
-
-def _check_partition(partition: Any) -> str | list[int]:
-    if isinstance(partition, str):
-        if partition not in _METHODS:
-            raise ValueError(
-                f"partition={partition!r} is not supported; allowed: {', '.join(map(repr, _METHODS))} or a "
-                "list of layers per stage"
-            )
-        return partition
-    if isinstance(partition, Sequence) and partition and all(
-        isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in partition
-    ):
-        return list(partition)
-    raise ValueError(
-        f"partition={partition!r} must be one of {', '.join(map(repr, _METHODS))} or a non-empty list of "
-        "ints >= 1 (layers per stage)"
-    )
-
-
-def _check_timeout(timeout: Any) -> timedelta:
-    """``timeout`` as a ``timedelta``: ``None`` (Lightning's default), or a finite number of seconds > 0."""
-    if timeout is None:
-        return default_pg_timeout
-    if isinstance(timeout, timedelta):
-        check_number(timeout.total_seconds(), "timeout", minimum=0, min_inclusive=False, owner=_OWNER)
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ArgumentTypeError(
-            f"{_OWNER}(timeout={timeout!r}): must be seconds (a finite number > 0), a timedelta or None, "
-            f"got {type(timeout).__name__}"
-        )
-    return timedelta(seconds=check_number(timeout, "timeout", minimum=0, min_inclusive=False, owner=_OWNER))
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 @dataclass(frozen=True)
@@ -141,56 +102,37 @@ class _Plan:
     source: str  # what the layers come from, for error messages
 
 
-class MemkitPipelineStrategy(ParallelStrategy):
-    """Pipeline-parallel training: one process per stage group, memory-balanced partition, sharded checkpoints.
+class MemkitPipelineStrategy(ProcessGroupStrategy):
+    """Pipeline-parallel training on a 2-D mesh: memory-balanced stages, data-parallel replicas, sharded checkpoints.
 
-    Processes start and talk as with ``DDPStrategy`` (same launchers, process-group set-up and collectives,
-    borrowed from it below), but nothing is data-parallel: every rank reads the same batches through the
-    user's own sampler (``is_distributed`` is ``False``, so no ``DistributedSampler`` is injected).
+    The ``devices x num_nodes`` ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` of shape
+    ``(dp, pp)``: ``pp = pipeline_parallel_size`` ranks run one pipeline (default: all of them), and
+    ``dp = world / pp`` pipeline replicas each read their own shard of the data (a ``DistributedSampler`` over
+    the ``dp`` dimension, injected as Lightning does for DDP) and average their gradients before every optimizer
+    step. Processes start and talk through :class:`~lightning_memkit.strategies.process_group.ProcessGroupStrategy`
+    (Lightning's launchers, ``init_process_group``, the collectives); the model is never wrapped: each rank keeps
+    its stages. With one replica no sampler is injected: every rank reads the loader's own batches.
 
     Args:
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zbv"`` or ``"dualpipev"``.
-        microbatches: microbatches per batch (the batch size must be a multiple).
-        partition: ``"memory"`` (measured, balanced predicted peak), ``"uniform"`` (equal layer counts),
-            ``"parameters"`` (equal trainable bytes per stage) or a list of layers per stage.
-        stages_per_rank: for ``interleaved_1f1b`` (default 2); other schedules fix it.
-        max_bytes_per_rank: with ``partition="memory"``, fail at setup if the best split needs more.
-        fused_loss: the last layer is an ``nn.Linear`` LM head whose loss runs through
-            ``lightning_memkit.ops.linear_cross_entropy`` (no logits); ``pipeline_loss`` is then unused. For a
-            Hugging Face model: its causal-LM loss is computed that way from the final hidden states.
-        router_aux: for a Hugging Face MoE model with ``config.output_router_logits``: ``"exact"`` (HF's router
-            aux gradient; one forward pass without gradients more per training step) or ``"microbatch"`` (each
-            microbatch's own aux loss, as HF's gradient accumulation over microbatches); see
-            :mod:`lightning_memkit.hf.pipeline_stages`.
-        timeout: process-group timeout, a finite number of seconds > 0 (or a positive ``timedelta``): a rank
-            that stops answering makes the others fail after this long instead of hanging.
+        schedule, microbatches, partition, stages_per_rank, max_bytes_per_rank, fused_loss, router_aux,
+            pipeline_parallel_size, data_parallel, timeout: the options of
+            :class:`~lightning_memkit.pipeline.config.PipelineConfig` (validated there, kept as ``self.config``).
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
         start_method: how Lightning starts the processes (``"popen"`` re-runs the script, ``"spawn"``...).
+
+    ``gradient_clip_val`` clips by the global norm over every stage and replica
+    (``gradient_clip_algorithm="norm"``) or by value, as one process would.
 
     Example (YAML for LightningCLI)::
 
         trainer:
-          devices: 2
+          devices: 4
           strategy:
             class_path: lightning_memkit.strategies.MemkitPipelineStrategy
-            init_args: {schedule: 1f1b, microbatches: 4}
+            init_args: {schedule: 1f1b, microbatches: 4, pipeline_parallel_size: 2}
     """
 
     strategy_name = "memkit_pipeline"
-
-    # process plumbing as in DDPStrategy: launcher, process-group init (gloo on CPU, nccl on CUDA), collectives
-    root_device = DDPStrategy.root_device
-    num_nodes = DDPStrategy.num_nodes
-    num_processes = DDPStrategy.num_processes
-    process_group_backend = DDPStrategy.process_group_backend
-    _configure_launcher = DDPStrategy._configure_launcher
-    setup_distributed = DDPStrategy.setup_distributed
-    _get_process_group_backend = DDPStrategy._get_process_group_backend
-    set_world_ranks = DDPStrategy.set_world_ranks
-    determine_ddp_device_ids = DDPStrategy.determine_ddp_device_ids
-    barrier = DDPStrategy.barrier
-    broadcast = DDPStrategy.broadcast
-    reduce = DDPStrategy.reduce
 
     def __init__(
         self,
@@ -201,6 +143,8 @@ class MemkitPipelineStrategy(ParallelStrategy):
         max_bytes_per_rank: int | None = None,
         fused_loss: bool = False,
         router_aux: str = "exact",
+        pipeline_parallel_size: int | None = None,
+        data_parallel: str = "ddp",
         timeout: float | timedelta | None = None,
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -210,43 +154,21 @@ class MemkitPipelineStrategy(ParallelStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
-        schedule = _check_schedule(schedule)
-        microbatches = check_int(microbatches, "microbatches", minimum=1, owner=_OWNER)
-        partition = _check_partition(partition)
-        v = resolve_stages_per_rank(schedule, stages_per_rank)
-        if v > 2 and partition == "memory":
-            raise ValueError(
-                f"stages_per_rank={v} with partition='memory' is not supported (the exact search handles 2); "
-                "pass partition='uniform', 'parameters' or explicit sizes"
+        try:
+            self.config = PipelineConfig(
+                schedule=schedule, microbatches=microbatches, partition=partition, stages_per_rank=stages_per_rank,
+                max_bytes_per_rank=max_bytes_per_rank, fused_loss=fused_loss, router_aux=router_aux, timeout=timeout,
+                pipeline_parallel_size=pipeline_parallel_size, data_parallel=data_parallel,
             )
-        max_bytes_per_rank = check_int(max_bytes_per_rank, "max_bytes_per_rank", minimum=1, allow_none=True,
-                                       owner=_OWNER)
-        if max_bytes_per_rank is not None and partition != "memory":
-            raise ValueError("max_bytes_per_rank needs partition='memory' (the only method that predicts peaks)")
-        if not isinstance(fused_loss, bool):
-            raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
-        check_choice(router_aux, "router_aux", ("exact", "microbatch"), owner=_OWNER)
-        timeout = _check_timeout(timeout)
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'")
+        except (TypeError, ValueError) as err:  # name the class the user called
+            raise type(err)(str(err).replace("PipelineConfig(", f"{_OWNER}(")) from None
+        check_choice(start_method, "start_method", _START_METHODS, owner=_OWNER)
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
+            timeout=self.config.timeout, process_group_backend=process_group_backend, start_method=start_method,
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
-        self.schedule = schedule
-        self.microbatches = microbatches
-        self.partition_method = partition
-        self.stages_per_rank = v
-        self.max_bytes_per_rank = max_bytes_per_rank
-        self.fused_loss = fused_loss
-        self.router_aux = router_aux
+        self.mesh: Any = None  # the (dp, pp) DeviceMesh once the processes are connected
         self.partition: Partition | None = None
         self._runtime: PipelineRuntime | None = None
         self._restored: dict[str, Any] | None = None
@@ -254,6 +176,15 @@ class MemkitPipelineStrategy(ParallelStrategy):
         self._pending: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._hf_name: str | None = None  # the Hugging Face causal LM's module name when the protocol is absent
         self._plan: _Plan | None = None
+
+    # the options, read-only (one home: self.config)
+    schedule = property(lambda self: self.config.schedule)
+    microbatches = property(lambda self: self.config.microbatches)
+    partition_method = property(lambda self: self.config.partition)
+    stages_per_rank = property(lambda self: self.config.stages_per_rank)
+    max_bytes_per_rank = property(lambda self: self.config.max_bytes_per_rank)
+    fused_loss = property(lambda self: self.config.fused_loss)
+    router_aux = property(lambda self: self.config.router_aux)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -270,18 +201,27 @@ class MemkitPipelineStrategy(ParallelStrategy):
         return self._runtime
 
     @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(dp, pp)``: pipeline replicas and ranks per pipeline, from ``devices x num_nodes`` and the config."""
+        return self.config.mesh_shape(self.num_nodes * self.num_processes)
+
+    @property
     def is_distributed(self) -> bool:
-        """``False``: the ranks split the model, not the data (Lightning then injects no distributed sampler)."""
-        return False
+        """Whether several pipeline replicas split the data (then Lightning injects a ``DistributedSampler``)."""
+        return self.mesh_shape[0] > 1
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every pipeline rank sees the same batch (the first stage reads the inputs, the last the target)
-        return {"num_replicas": 1, "rank": 0}
+        """One data shard per pipeline replica: every rank of a pipeline reads the same batches."""
+        dp, pp = self.mesh_shape
+        return {"num_replicas": dp, "rank": self.global_rank // pp}
 
     def setup_environment(self) -> None:
-        super().setup_environment()
-        self.setup_distributed()
+        super().setup_environment()  # accelerator, world ranks, process group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp, pp = self.mesh_shape
+        self.mesh = init_device_mesh(self.root_device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
         _destroy_process_group_at_exit()
 
     # -- model -----------------------------------------------------------------------------------------------
@@ -390,7 +330,8 @@ class MemkitPipelineStrategy(ParallelStrategy):
         partition = self._make_partition(trainer, plan.layers)
         self.partition = partition
         self._runtime = PipelineRuntime(
-            plan.layers, partition, loss_fn=plan.loss_fn, device=self.root_device, fused_head=plan.fused_head
+            plan.layers, partition, loss_fn=plan.loss_fn, device=self.root_device, fused_head=plan.fused_head,
+            group=self.mesh["pp"].get_group(),
         )
         local = {id(p) for p in self._runtime.parameters()}
         for opt in self.optimizers:
@@ -425,17 +366,12 @@ class MemkitPipelineStrategy(ParallelStrategy):
                 "strategy='memkit_pipeline' runs forward and backward itself: use automatic optimization "
                 "(LightningModule.automatic_optimization = True)"
             )
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in ("value",):
-            raise ValueError(
-                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} clips by the global norm, which each "
-                "pipeline rank cannot see; use gradient_clip_algorithm='value' or no clipping"
-            )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError("strategy='memkit_pipeline' does not support a gradient scaler (precision='16-mixed'); "
                              "use 'bf16-mixed', 'bf16-true' or '32-true'")
 
     def _make_partition(self, trainer: Any, layers: list[nn.Module]) -> Partition:
-        world = self.world_size
+        world = self.mesh_shape[1]  # ranks per pipeline
         num_stages = world * self.stages_per_rank
         check_microbatches(self.schedule, num_stages, self.microbatches, world)
         kwargs = dict(schedule=self.schedule, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank)
@@ -452,13 +388,13 @@ class MemkitPipelineStrategy(ParallelStrategy):
             sizes = self._restored["sizes"]
             return evaluate_partition([static_cost(m, optimizer) for m in layers], sizes, **kwargs)
         method = self.partition_method
-        if isinstance(method, list):
+        if isinstance(method, tuple):
             if len(method) != num_stages:
                 raise ValueError(
-                    f"partition={method} lists {len(method)} stages, but {world} ranks x {self.stages_per_rank} "
-                    f"stage(s) per rank = {num_stages}"
+                    f"partition={list(method)} lists {len(method)} stages, but {world} ranks per pipeline x "
+                    f"{self.stages_per_rank} stage(s) per rank = {num_stages}"
                 )
-            return evaluate_partition([static_cost(m, optimizer) for m in layers], method, **kwargs)
+            return evaluate_partition([static_cost(m, optimizer) for m in layers], list(method), **kwargs)
         if method != "memory":
             fn = uniform_partition if method == "uniform" else parameter_balanced_partition
             return fn([static_cost(m, optimizer) for m in layers], num_stages, **kwargs)
@@ -547,8 +483,39 @@ class MemkitPipelineStrategy(ParallelStrategy):
             self._pending = [(p, p.grad) for p in params]
             for p in params:
                 p.grad = None
+        loss = self._replica_mean(loss)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def _replica_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (equal on the ranks of one pipeline) averaged over the pipeline replicas."""
+        if self.mesh_shape[0] == 1:
+            return value
+        value = value.detach().clone()
+        torch.distributed.all_reduce(value, group=self.mesh["dp"].get_group())
+        return value / self.mesh_shape[0]
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step, after the gradients are averaged over the replicas and clipped by the global norm.
+
+        Both happen in the closure, right after the last backward of the accumulation window, so that Lightning's
+        own clipping (run next, on this rank's gradients) sees the synchronized ones: by value it is then exact, and
+        by norm it finds them already within the limit.
+        """
+
+        def synced() -> Any:
+            result = closure()
+            runtime = self._runtime_or_raise()
+            params = [p for p in runtime.parameters() if p.grad is not None]
+            if self.mesh_shape[0] > 1:
+                average_gradients(params, self.mesh["dp"].get_group())
+            trainer = self.lightning_module.trainer
+            if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
+                clip_global_norm(params, float(trainer.gradient_clip_val), self.mesh["pp"].get_group(),
+                                 device=self.root_device)
+            return result
+
+        return super().optimizer_step(optimizer, synced, model, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The schedule already ran backward in ``training_step``: put its gradients back, run the hooks around it."""
@@ -569,7 +536,7 @@ class MemkitPipelineStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         inputs, target = self._inputs(batch)
         with context:
-            loss = runtime.eval_step(inputs, target)
+            loss = self._replica_mean(runtime.eval_step(inputs, target))
         self.lightning_module.log(name, loss, prog_bar=True)
         return loss
 
@@ -752,3 +719,6 @@ def load_pipeline_state_dict(path: _PATH) -> dict[str, torch.Tensor]:
         model.load_state_dict(load_pipeline_state_dict("checkpoints/epoch=0-step=100.ckpt"))
     """
     return ckpt_format.merge_state_dicts(path, key="state_dict", weights_only=False)  # as before: a trusted file
+
+
+MemkitPipelineStrategy.register_strategies(StrategyRegistry)  # also when this module is the first to import Lightning

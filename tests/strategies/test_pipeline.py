@@ -34,31 +34,50 @@ def test_registered_by_importing_the_package_and_twice_is_harmless():
     assert (strategy.schedule, strategy.microbatches, strategy.partition_method) == ("1f1b", 4, "memory")
 
 
-def test_trainer_resolves_the_name_without_splitting_the_data():
-    trainer = pl.Trainer(strategy="memkit_pipeline", accelerator="cpu", devices=2, logger=False)
+@pytest.mark.parametrize(("devices", "pp", "mesh", "replicas"), [(2, None, (1, 2), 1), (4, 2, (2, 2), 2),
+                                                               (4, 1, (4, 1), 4)])
+def test_trainer_resolves_the_name_and_shards_the_data_over_the_replicas(devices, pp, mesh, replicas):
+    strategy = "memkit_pipeline" if pp is None else MemkitPipelineStrategy(pipeline_parallel_size=pp)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False)
     assert isinstance(trainer.strategy, MemkitPipelineStrategy)
-    assert trainer.strategy.num_processes == 2 and trainer.strategy.root_device == torch.device("cpu")
-    assert not trainer._accelerator_connector.is_distributed  # no DistributedSampler: every rank reads every batch
+    assert trainer.strategy.num_processes == devices and trainer.strategy.root_device == torch.device("cpu")
+    assert trainer.strategy.mesh_shape == mesh
+    assert trainer._accelerator_connector.is_distributed == (replicas > 1)  # a DistributedSampler only for replicas
+    # the ranks of one pipeline read the same shard: rank r is in replica r // pp
+    for rank in range(devices):
+        trainer.strategy.cluster_environment.set_global_rank(rank)  # what set_world_ranks does in each process
+        assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": replicas, "rank": rank // mesh[1]}
+
+
+def test_pipeline_size_must_divide_the_world():
+    strategy = MemkitPipelineStrategy(pipeline_parallel_size=3)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3\): the 4 ranks .* allowed here: 1, 2, 4"):
+        _ = trainer.strategy.mesh_shape
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"schedule": "pipedream"}, ValueError, "schedule='pipedream' is not supported"),
+        ({"schedule": "pipedream"}, ValueError, r"\(schedule='pipedream'\): must be one of 'gpipe', '1f1b'"),
         ({"microbatches": 0}, ValueError, r"MemkitPipelineStrategy\(microbatches=0\): must be an int >= 1"),
         ({"max_bytes_per_rank": 0}, ValueError, r"\(max_bytes_per_rank=0\): must be an int >= 1 or None"),
-        ({"partition": "greedy"}, ValueError, "partition='greedy' is not supported"),
+        ({"partition": "greedy"}, ValueError, r"\(partition='greedy'\): must be one of 'memory', 'uniform'"),
         ({"partition": [2, 0]}, ValueError, "must be one of"),
         ({"schedule": "zbv", "stages_per_rank": 3}, ValueError, "stages_per_rank=3 does not fit schedule='zbv'"),
         ({"schedule": "interleaved_1f1b", "stages_per_rank": 3}, ValueError, "partition='memory' is not supported"),
-        ({"partition": "uniform", "max_bytes_per_rank": 10}, ValueError, "max_bytes_per_rank needs partition='memory'"),
-        ({"fused_loss": 1}, TypeError, "fused_loss must be a bool"),
+        ({"partition": "uniform", "max_bytes_per_rank": 10}, ValueError, r"max_bytes_per_rank=...\) needs partition"),
+        ({"fused_loss": 1}, TypeError, r"\(fused_loss=1\): must be a bool"),
         ({"timeout": -1}, ValueError, r"\(timeout=-1\): must be a finite number > 0"),
         ({"timeout": 0}, ValueError, r"\(timeout=0\): must be a finite number > 0"),
         ({"timeout": float("nan")}, ValueError, r"\(timeout=nan\): must be a finite number > 0"),
         ({"timeout": float("inf")}, ValueError, r"\(timeout=inf\): must be a finite number > 0"),
         ({"timeout": timedelta(0)}, ValueError, r"\(timeout=0.0\): must be a finite number > 0"),
         ({"timeout": "soon"}, TypeError, r"\(timeout='soon'\): must be seconds"),
+        ({"pipeline_parallel_size": 0}, ValueError, r"\(pipeline_parallel_size=0\): must be an int >= 1 or None"),
+        ({"data_parallel": "zero"}, ValueError, r"\(data_parallel='zero'\): must be one of 'ddp', 'fsdp'"),
+        ({"start_method": "thread"}, ValueError, r"\(start_method='thread'\): must be one of 'popen', 'spawn'"),
+        ({"router_aux": "all"}, ValueError, r"\(router_aux='all'\): must be one of 'exact', 'microbatch'"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, match):
@@ -80,7 +99,7 @@ def test_a_missing_rank_fails_the_set_up_after_the_timeout(monkeypatch):
 
 
 def test_explicit_partition_sizes_are_kept():
-    assert MemkitPipelineStrategy(partition=[1, 2, 3]).partition_method == [1, 2, 3]
+    assert MemkitPipelineStrategy(partition=[1, 2, 3]).partition_method == (1, 2, 3)
 
 
 def test_module_without_the_layer_protocol_is_refused():
