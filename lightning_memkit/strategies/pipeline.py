@@ -510,7 +510,7 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
             if self.mesh_shape[0] > 1:
                 average_gradients(params, self.mesh["dp"].get_group())
             trainer = self.lightning_module.trainer
-            if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
+            if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") == "norm":  # Lightning's default
                 clip_global_norm(params, float(trainer.gradient_clip_val), self.mesh["pp"].get_group(),
                                  device=self.root_device)
             return result
@@ -578,24 +578,25 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         if self.partition is None:
             raise RuntimeError("MemkitPipelineStrategy is not set up: there is no partition to checkpoint yet")
         save_id = self.broadcast(ckpt_format.new_save_id() if self.is_global_zero else None, src=0)
-        ckpt_format.save_sharded(
-            path, checkpoint, rank=self.global_rank, world_size=self.world_size,
-            global_step=int(checkpoint.get("global_step", 0)), epoch=int(checkpoint.get("epoch", 0)),
-            save_id=save_id, meta=self._partition_meta(), barrier=self.barrier, all_gather=self._all_gather_object,
-        )
+        replica, pp_rank = divmod(self.global_rank, self.mesh_shape[1])
+        if replica == 0:  # the replicas hold the same weights and optimizer state: the first one writes them
+            group = self.mesh["pp"].get_group()
+            ckpt_format.save_sharded(
+                path, checkpoint, rank=pp_rank, world_size=self.mesh_shape[1],
+                global_step=int(checkpoint.get("global_step", 0)), epoch=int(checkpoint.get("epoch", 0)),
+                save_id=save_id, meta=self._partition_meta(), barrier=lambda _name: torch.distributed.barrier(group),
+                all_gather=lambda obj: _all_gather_object(obj, group),
+            )
+        self.barrier()  # no rank goes on (or reads the checkpoint) before the manifest is committed
 
     def _partition_meta(self) -> dict[str, Any]:
         part = self.partition
         assert part is not None
         return {"schedule": part.schedule, "microbatches": part.microbatches, "stages_per_rank": part.stages_per_rank,
-                "sizes": list(part.sizes)}
+                "sizes": list(part.sizes), "data_parallel": self.mesh_shape[0]}
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world_size == 1 or not torch.distributed.is_initialized():
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(out, obj)
-        return out
+        return _all_gather_object(obj, None)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """This rank's shard after checking the whole checkpoint; every rank raises if any rank finds it bad."""
@@ -611,19 +612,21 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         return checkpoint
 
     def _load_own_shard(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
-        manifest = ckpt_format.verify_checkpoint(path, hash_ranks=(self.global_rank,))
+        pp_rank = self.global_rank % self.mesh_shape[1]
+        manifest = ckpt_format.verify_checkpoint(path, hash_ranks=(pp_rank,))
         meta = manifest["meta"]
-        if manifest["world_size"] != self.world_size:
+        if manifest["world_size"] != self.mesh_shape[1]:
             raise ValueError(
-                f"{path} was saved by {manifest['world_size']} pipeline ranks; this run has {self.world_size}. "
-                "Merge the shards with load_pipeline_state_dict() to load them elsewhere"
+                f"{path} was saved by pipelines of {manifest['world_size']} ranks; this run has "
+                f"pipeline_parallel_size={self.mesh_shape[1]} (any number of replicas loads it). Merge the shards "
+                "with load_pipeline_state_dict() to load them into another split"
             )
         if meta.get("schedule") != self.schedule or meta.get("stages_per_rank") != self.stages_per_rank:
             raise ValueError(
                 f"{path} holds stages for schedule={meta.get('schedule')!r} ({meta.get('stages_per_rank')} per "
                 f"rank); this strategy uses schedule={self.schedule!r} ({self.stages_per_rank} per rank)"
             )
-        checkpoint = ckpt_format.load_shard(path, self.global_rank, manifest=manifest, weights_only=weights_only)
+        checkpoint = ckpt_format.load_shard(path, pp_rank, manifest=manifest, weights_only=weights_only)
         self._restored = meta
         return checkpoint
 
@@ -685,6 +688,15 @@ def _destroy_process_group_at_exit() -> None:
             torch.distributed.destroy_process_group()
 
     atexit.register(destroy)
+
+
+def _all_gather_object(obj: Any, group: Any) -> list[Any]:
+    """``obj`` of every rank of ``group`` (the world by default); ``[obj]`` without a process group."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(out, obj, group=group)
+    return out
 
 
 def _picklable(obj: Any) -> bool:

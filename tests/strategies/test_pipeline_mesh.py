@@ -1,0 +1,69 @@
+"""memkit_pipeline on a 2-D mesh: 4 gloo processes, 2 pipeline ranks x 2 data-parallel replicas."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_pipeline_mesh_worker.py")
+PYPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path: Path, phase: str, world: int, budget: float = 280) -> list[dict]:
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path), phase],
+            env=dict(os.environ, LOCAL_RANK=str(r), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port), PYTHONPATH=PYPATH, OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    t0 = time.monotonic()
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, budget - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"the {world}-process {phase} run did not finish in time (hang)")
+        assert p.returncode == 0, out[-4000:]
+    return [json.loads((tmp_path / f"{phase}_rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_with_clipping_and_resume_exactly(tmp_path):
+    ranks = launch(tmp_path, "mesh", 4)
+    r0 = ranks[0]
+    ref = r0["reference"]
+    assert r0["mesh"] == [2, 2]
+    # each replica reads its own shard: ranks 0, 1 are replica 0, ranks 2, 3 replica 1
+    assert [(r["sampler"], r["sampler_rank"]) for r in ranks] == [("DistributedSampler", i // 2) for i in range(4)]
+    # every rank logs the same loss: the mean over both replicas, which is the single process's loss
+    assert all(r["train"] == r0["train"] for r in ranks)
+    assert r0["train"] == pytest.approx(ref["train"], rel=1e-5, abs=1e-6)
+    # final weights (merged from the pipeline shards) = the single process's, with global-norm clipping
+    for name, value in ref["state"].items():
+        torch.testing.assert_close(torch.tensor(r0["state"][name]), torch.tensor(value), rtol=1e-5, atol=1e-6,
+                                   msg=name)
+    # resume from the step-2 checkpoint on the same mesh: bitwise the same steps 3 and 4 and the same weights
+    assert r0["resumed"] == r0["train"][2:]
+    assert r0["resumed_equal"] is True
+    # the checkpoint of a 2-replica run loads into a 1-replica run (parameters do not depend on dp)
+    one = launch(tmp_path, "one_replica", 2)
+    assert one[0]["mesh"] == [1, 2]
+    assert one[0]["val_step2"] == pytest.approx(r0["val_step2"], rel=1e-5)
