@@ -101,7 +101,8 @@ class PipelineConfig:
         pipeline_parallel_size: ranks per pipeline replica (``P``); ``None``: the whole world (no data
             parallelism). The world must be a multiple of it; ``world / P`` replicas train on their own data.
         data_parallel: how the replicas share gradients: ``"ddp"`` (each stage's gradients averaged over the
-            replicas) or ``"fsdp"`` (each stage sharded over the replicas with FSDP2 ``fully_shard``).
+            replicas). ``"fsdp"`` (each stage sharded over the replicas with FSDP2 ``fully_shard``) is refused
+            with ``NotImplementedError`` for now.
     """
 
     schedule: str = "1f1b"
@@ -141,6 +142,11 @@ class PipelineConfig:
         put(self, "pipeline_parallel_size", check_int(self.pipeline_parallel_size, "pipeline_parallel_size",
                                                       minimum=1, allow_none=True, owner=_OWNER))
         check_choice(self.data_parallel, "data_parallel", DATA_PARALLEL, owner=_OWNER)
+        if self.data_parallel == "fsdp":
+            raise NotImplementedError(
+                f"{_OWNER}(data_parallel='fsdp'): sharding the stages over the replicas is not available yet; "
+                "use data_parallel='ddp' (each stage replicated, gradients averaged)"
+            )
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """``(dp, pp)``: data-parallel replicas and ranks per pipeline for ``world_size`` ranks."""

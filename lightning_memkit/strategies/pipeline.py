@@ -160,7 +160,7 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
                 max_bytes_per_rank=max_bytes_per_rank, fused_loss=fused_loss, router_aux=router_aux, timeout=timeout,
                 pipeline_parallel_size=pipeline_parallel_size, data_parallel=data_parallel,
             )
-        except (TypeError, ValueError) as err:  # name the class the user called
+        except (TypeError, ValueError, NotImplementedError) as err:  # name the class the user called
             raise type(err)(str(err).replace("PipelineConfig(", f"{_OWNER}(")) from None
         check_choice(start_method, "start_method", _START_METHODS, owner=_OWNER)
         super().__init__(
@@ -510,7 +510,8 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
             if self.mesh_shape[0] > 1:
                 average_gradients(params, self.mesh["dp"].get_group())
             trainer = self.lightning_module.trainer
-            if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") == "norm":  # Lightning's default
+            by_norm = (trainer.gradient_clip_algorithm or "norm") == "norm"  # None: Lightning's default, the norm
+            if trainer.gradient_clip_val and by_norm:
                 clip_global_norm(params, float(trainer.gradient_clip_val), self.mesh["pp"].get_group(),
                                  device=self.root_device)
             return result
