@@ -27,7 +27,7 @@ from lightning_memkit.strategies import MemkitPipelineStrategy, load_pipeline_st
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 SEQ, N, BATCH, REPLICAS, EPOCHS = 8, 16, 4, 2, 2  # 2 steps an epoch
-CLIP = float(os.environ.get("MESH_CLIP", "0.5")) or None
+CLIP, VALUE = 0.5, 0.002  # small enough that both clippings change the run (the test checks it)
 
 
 class SGDLM(TinyLM):
@@ -58,10 +58,11 @@ class Record(Callback):
 
 
 def trainer(out: Path, devices: int, callbacks, **kw) -> pl.Trainer:
+    kw.setdefault("gradient_clip_val", CLIP)
     return pl.Trainer(
         accelerator="cpu", devices=devices, max_epochs=EPOCHS, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=out,
-        gradient_clip_val=CLIP, limit_val_batches=1,
+        limit_val_batches=1,
         strategy=MemkitPipelineStrategy(microbatches=2, timeout=60, pipeline_parallel_size=2), **kw,
     )
 
@@ -77,8 +78,8 @@ def batches() -> list[list[int]]:
     return out
 
 
-def reference() -> dict:
-    """One process over the same global batches, clipped by the norm of all gradients."""
+def reference(clip=lambda params: torch.nn.utils.clip_grad_norm_(params, CLIP)) -> dict:
+    """One process over the same global batches, clipped by the norm of all gradients (or by ``clip``)."""
     lm = model()
     opt = lm.configure_optimizers()
     data = dataset()
@@ -87,8 +88,7 @@ def reference() -> dict:
         x, y = data[idx]
         loss = lm.pipeline_loss(lm(x), y)
         loss.backward()
-        if CLIP:
-            torch.nn.utils.clip_grad_norm_(lm.parameters(), CLIP)
+        clip(list(lm.parameters()))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
@@ -110,7 +110,12 @@ def mesh(out: Path, rank: int) -> dict:
                                                        every_n_epochs=1)])
     second.fit(model(), DataLoader(dataset(), batch_size=BATCH), ckpt_path=str(out / "ckpt" / "epoch=0-step=2.ckpt"))
     result["resumed"] = resumed.train
+    by_value = Record()
+    trainer(out / "value", 4, [by_value], gradient_clip_val=VALUE, gradient_clip_algorithm="value").fit(
+        model(), DataLoader(dataset(), batch_size=BATCH))
+    result["value"] = by_value.train
     if rank == 0:
+        result["value_reference"] = reference(lambda ps: torch.nn.utils.clip_grad_value_(ps, VALUE))["train"]
         a = load_pipeline_state_dict(out / "ckpt" / "epoch=1-step=4.ckpt")
         b = load_pipeline_state_dict(out / "ckpt_resumed" / "epoch=1-step=4.ckpt")
         result["resumed_equal"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -63,6 +63,10 @@ def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_with_clipping
     # resume from the step-2 checkpoint on the same mesh: bitwise the same steps 3 and 4 and the same weights
     assert r0["resumed"] == r0["train"][2:]
     assert r0["resumed_equal"] is True
+    # clipping by value: the replicas' averaged gradients, clipped entry by entry, as one process
+    assert all(r["value"] == r0["value"] for r in ranks)
+    assert r0["value"] == pytest.approx(r0["value_reference"], rel=1e-5, abs=1e-6)
+    assert r0["value"] != pytest.approx(r0["train"], rel=1e-4)  # the two clippings give other runs
     # the checkpoint of a 2-replica run loads into a 1-replica run (parameters do not depend on dp)
     one = launch(tmp_path, "one_replica", 2)
     assert one[0]["mesh"] == [1, 2]
