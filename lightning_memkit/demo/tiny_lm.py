@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memkit.ops import lm_head_loss
-from lightning_memkit.validation import check_int, check_number
+from lightning_memkit.validation import check_bool, check_int, check_number
 
 __all__ = ["TinyLM", "Block", "LOSSES"]
 
@@ -74,6 +74,8 @@ class TinyLM(pl.LightningModule):
         weight_decay: AdamW weight decay.
         loss: ``"standard"`` (logits, then ``F.cross_entropy``) or ``"fused"`` (head and loss in one
             chunked op, :func:`lightning_memkit.ops.lm_head_loss`: full-vocabulary logits never exist).
+        tie_embeddings: the LM head uses the token embedding's weight (one tensor, as HF's
+            ``tie_word_embeddings=True``).
 
     Example::
 
@@ -92,6 +94,7 @@ class TinyLM(pl.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.01,
         loss: str = "standard",
+        tie_embeddings: bool = False,
     ):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("seq_len", seq_len)):
@@ -102,6 +105,7 @@ class TinyLM(pl.LightningModule):
         check_number(weight_decay, "weight_decay", minimum=0, owner="TinyLM")
         if loss not in LOSSES:
             raise ValueError(f"TinyLM(loss={loss!r}) is not supported; allowed: {', '.join(map(repr, LOSSES))}")
+        check_bool(tie_embeddings, "tie_embeddings", owner="TinyLM")
         self.save_hyperparameters()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(VOCAB, d_model)
@@ -110,6 +114,8 @@ class TinyLM(pl.LightningModule):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB, bias=False)
         self.apply(self._init_weights)
+        if tie_embeddings:
+            self.head.weight = self.tok_emb.weight
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from lightning_memkit.memory.storage import has_storage, iter_op_tensors, storage_key
+from lightning_memkit.memory.storage import has_storage, iter_op_tensors, storage_key, storage_of
 
 __all__ = ["LivePeak", "DeviceBytes", "note_storage_resized", "unmeasured"]
 
@@ -193,6 +193,23 @@ class LivePeak:
         """Whether ``t``'s storage was created in the block (and is still alive)."""
         return has_storage(t) and storage_key(t) in self._entries
 
+    def refresh_sizes(self) -> int:
+        """Re-read the size of every tracked storage and return the change in live bytes.
+
+        Storages shrunk outside an op (``untyped_storage().resize_(0)``, as FSDP frees its unsharded
+        parameters after use) are otherwise still counted at their old size; the peak is left as it was.
+        """
+        with self._lock:
+            before = self.live_bytes
+            for entry in list(self._entries.values()):
+                storage = entry.ref()
+                if storage is None:
+                    continue
+                delta, entry.nbytes = storage.nbytes() - entry.nbytes, storage.nbytes()
+                if delta:
+                    self._change(entry.device, delta)
+            return self.live_bytes - before
+
     def reset_peak(self) -> None:
         """Start a new high-water mark from the bytes alive now."""
         with self._lock:
@@ -218,7 +235,7 @@ class LivePeak:
             self._add(t, key)
 
     def _add(self, t: torch.Tensor, key: int) -> None:
-        storage = t.untyped_storage()
+        storage = storage_of(t)
         nbytes = storage.nbytes()
         device = str(t.device)
         tag = self._tag() if self._tag is not None else None
@@ -240,7 +257,7 @@ class LivePeak:
             entry = self._entries.get(storage_key(t))
             if entry is None:
                 return
-            nbytes = t.untyped_storage().nbytes()
+            nbytes = storage_of(t).nbytes()
             delta, entry.nbytes = nbytes - entry.nbytes, nbytes
             self._change(entry.device, delta)
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
@@ -58,9 +59,26 @@ __all__ = [
 ]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds ``t``'s memory on this process: a ``DTensor``'s local shard (any wrapper subclass
+    with exactly one inner tensor), else ``t`` itself. A wrapper's own storage has no data and the global size."""
+    while type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+        inner, _ctx = t.__tensor_flatten__()
+        if len(inner) != 1:
+            break
+        t = getattr(t, inner[0])
+    return t
+
+
 def storage_of(t: Any) -> torch.UntypedStorage | None:
-    """``t``'s untyped storage, or ``None`` for non-tensors and tensors that own no memory (meta, sparse, nested)."""
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.layout != torch.strided or t.is_nested:
+    """``t``'s untyped storage, or ``None`` for non-tensors and tensors that own no memory (meta, sparse, nested).
+
+    For a ``DTensor`` (FSDP2 parameters, gradients and optimizer state) it is the storage of the local shard.
+    """
+    if not isinstance(t, torch.Tensor):
+        return None
+    t = _local(t)
+    if t.device.type == "meta" or t.layout != torch.strided or t.is_nested:
         return None
     try:
         return t.untyped_storage()
@@ -69,7 +87,7 @@ def storage_of(t: Any) -> torch.UntypedStorage | None:
 
 
 def _untyped(t: torch.Tensor | torch.UntypedStorage) -> torch.UntypedStorage:
-    return t if isinstance(t, torch.UntypedStorage) else t.untyped_storage()
+    return t if isinstance(t, torch.UntypedStorage) else _local(t).untyped_storage()
 
 
 def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:

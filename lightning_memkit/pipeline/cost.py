@@ -29,6 +29,13 @@ A rank's activation peak is taken as the sum of its stages' counts times their p
 bound that is exact when one stage per rank and may exceed the true joint peak by one microbatch of a
 stage for two stages per rank (the two stages peak at nearly the same time).
 
+With ``D > 1`` data-parallel replicas (DDP), every rank averages its gradients over its stage's replicas
+before the optimizer step (:func:`~lightning_memkit.pipeline.gradients.average_gradients`): consecutive
+gradients of one dtype are concatenated into a flat buffer of at most ``bucket_bytes`` (a larger gradient
+alone), all-reduced and copied back, one bucket at a time. That happens after the last backward, when no
+activation is left but every gradient is, so a rank peaks at the larger of the two phases; the buffer is
+:func:`allreduce_buffer_bytes`.
+
 Example::
 
     >>> from lightning_memkit.pipeline import inflight_microbatches
@@ -50,6 +57,7 @@ from torch import nn
 from lightning_memkit.memory.live_peak import LivePeak
 from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
 from lightning_memkit.memory.storage import iter_tensors, unique_storage_bytes
+from lightning_memkit.pipeline.gradients import _BUCKET_BYTES
 from lightning_memkit.validation import check_int
 
 __all__ = [
@@ -60,6 +68,7 @@ __all__ = [
     "stage_to_rank",
     "inflight_microbatches",
     "optimizer_state_bytes",
+    "allreduce_buffer_bytes",
     "static_cost",
     "measure_layer_costs",
 ]
@@ -84,6 +93,8 @@ class LayerCost:
         workspace_bytes: transient bytes while the layer runs backward (gradients of intermediates).
         saves_input: whether the layer's backward needs its input (so the previous layer's output stays).
         saves_output: whether the layer's backward needs its own output.
+        largest_grad_bytes: bytes of the layer's largest single gradient (at most ``grad_bytes``); a gradient
+            larger than the data-parallel all-reduce bucket is reduced in a buffer of its own size.
 
     Example::
 
@@ -100,14 +111,20 @@ class LayerCost:
     workspace_bytes: int = 0
     saves_input: bool = False
     saves_output: bool = False
+    largest_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes",
-                     "workspace_bytes"):
+                     "workspace_bytes", "largest_grad_bytes"):
             check_int(getattr(self, name), name, minimum=0, owner="LayerCost")  # bytes
         for name in ("saves_input", "saves_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LayerCost({name}=...) must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.largest_grad_bytes > self.grad_bytes:
+            raise ValueError(
+                f"LayerCost(largest_grad_bytes={self.largest_grad_bytes}) exceeds grad_bytes={self.grad_bytes}: one "
+                "gradient cannot be larger than all of them"
+            )
 
     @property
     def static_bytes(self) -> int:
@@ -315,6 +332,42 @@ def optimizer_state_bytes(
     return total
 
 
+def allreduce_buffer_bytes(
+    grad_bytes: int,
+    largest_grad_bytes: int = 0,
+    *,
+    data_parallel_size: int,
+    bucket_bytes: int = _BUCKET_BYTES,
+) -> int:
+    """Largest flat buffer that averaging a rank's gradients over ``data_parallel_size`` replicas allocates.
+
+    :func:`~lightning_memkit.pipeline.gradients.average_gradients` reduces consecutive gradients of one dtype
+    in flat buffers of at most ``bucket_bytes`` (a larger gradient alone), one at a time. The largest is
+    ``max(min(grad_bytes, bucket_bytes), largest_grad_bytes)``: exact when the rank's gradients (of one dtype)
+    fit one bucket or the largest gradient exceeds a bucket, otherwise an upper bound by less than the largest
+    gradient (a bucket closes before the gradient that would overflow it). ``0`` for one replica (nothing is
+    reduced) or no gradients.
+
+    Example::
+
+        >>> from lightning_memkit.pipeline.cost import allreduce_buffer_bytes
+        >>> allreduce_buffer_bytes(8 * 2**20, 2**20, data_parallel_size=2)  # every gradient in one bucket
+        8388608
+        >>> allreduce_buffer_bytes(8 * 2**20, 2**20, data_parallel_size=1)
+        0
+    """
+    owner = "allreduce_buffer_bytes"
+    check_int(grad_bytes, "grad_bytes", minimum=0, owner=owner)
+    check_int(largest_grad_bytes, "largest_grad_bytes", minimum=0, owner=owner)
+    check_int(data_parallel_size, "data_parallel_size", minimum=1, owner=owner)
+    check_int(bucket_bytes, "bucket_bytes", minimum=1, owner=owner)
+    if largest_grad_bytes > grad_bytes:
+        raise ValueError(f"{owner}(largest_grad_bytes={largest_grad_bytes}) exceeds grad_bytes={grad_bytes}")
+    if data_parallel_size == 1:
+        return 0
+    return max(min(grad_bytes, bucket_bytes), largest_grad_bytes)
+
+
 def _unique(params: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         params = [params]
@@ -344,14 +397,15 @@ def static_cost(
     params = _unique(module.parameters())
     tensors = _unique([*params, *module.buffers()])
     param_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    grads = [p.numel() * p.element_size() for p in params if p.requires_grad]
     if optimizer is None:
         opt_bytes = 0
     elif isinstance(optimizer, Sequence) and not isinstance(optimizer, str):
         opt_bytes = sum(optimizer_state_bytes(params, o, master_weights=master_weights) for o in optimizer)
     else:
         opt_bytes = optimizer_state_bytes(params, optimizer, master_weights=master_weights, **hyperparams)
-    return LayerCost(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=opt_bytes)
+    return LayerCost(param_bytes=param_bytes, grad_bytes=sum(grads), optimizer_bytes=opt_bytes,
+                     largest_grad_bytes=max(grads, default=0))
 
 
 # -- activation bytes -------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from lightning_memkit.validation import check_int, check_number
 
-__all__ = ["average_gradients", "clip_global_norm"]
+__all__ = ["average_gradients", "broadcast_tensors", "clip_global_norm", "sum_gradients"]
 
 _BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -73,14 +73,40 @@ def average_gradients(params: Iterable[torch.Tensor], group=None, *, bucket_byte
             offset += g.numel()
 
 
+def sum_gradients(params: Iterable[torch.Tensor], group=None) -> None:
+    """Replace each ``p.grad`` by its sum over the ranks of ``group`` (the ranks that share these parameters).
+
+    A parameter that requires a gradient but has none gets zeros first, so that every rank joins the collective.
+    """
+    if not _distributed(group):
+        return
+    for p in params:
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int, group=None) -> None:
+    """Copy ``src``'s values (a global rank) into the same tensors on every rank of ``group``, in place."""
+    if not _distributed(group):
+        return
+    for t in tensors:
+        dist.broadcast(t.data, src=src, group=group)
+
+
 def clip_global_norm(
-    params: Iterable[torch.Tensor], max_norm: float, group=None, *, device: torch.device | str | None = None
+    params: Iterable[torch.Tensor], max_norm: float, group=None, *, device: torch.device | str | None = None,
+    also_scale: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip the gradients of every rank of ``group`` together by their global 2-norm; returns that norm (fp32).
 
     Each rank passes the parameters it owns (a parameter held by two ranks, such as a tied embedding, by one of
     them only, or its gradient counts twice). ``device``: where the norm is reduced (the process group's device;
-    default: the first gradient's, else CPU).
+    default: the first gradient's, else CPU). ``also_scale``: parameters whose gradients are scaled by the same
+    factor without counting towards the norm (this rank's copy of a parameter that another rank counts).
     """
     max_norm = check_number(max_norm, "max_norm", minimum=0, min_inclusive=False, owner="clip_global_norm")
     grads = [p.grad for p in params if p.grad is not None]
@@ -93,6 +119,6 @@ def clip_global_norm(
         dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+    for g in [*grads, *(p.grad for p in also_scale if p.grad is not None)]:
+        g.detach().mul_(coef.to(g.device, g.dtype))
     return norm

@@ -5,16 +5,21 @@ A stage ``s`` that owns layers ``[a, b)`` is predicted to peak at::
     static(a, b)                         parameters + gradients + optimizer state of its layers
   + M * output[a - 1]      (s > 0)       receive buffers: torch allocates one input buffer per microbatch
   + M * output[b - 1]      (s < N - 1)   and one buffer per microbatch for the gradient of its output
-  + n_s * per_microbatch(a, b)           n_s = inflight_microbatches(schedule, ...)[s]
-  + max workspace over its layers        transient bytes of one layer's backward
+  + max(n_s * per_microbatch(a, b)       n_s = inflight_microbatches(schedule, ...)[s]
+        + max workspace over its layers, transient bytes of one layer's backward
+        allreduce(a, b))                 D > 1 replicas: the gradient all-reduce buffer before the step
 
 where ``per_microbatch(a, b)`` adds the layers' ``activation_bytes``, the outputs that stay alive inside
 the stage (a layer saves its output or the next layer saves its input) and the stage's own output (held
-until its backward). A rank's peak is the sum over its stages. :func:`partition_layers` returns the
-contiguous split that minimizes the largest rank peak, exactly, by dynamic programming: left to right
-for one stage per rank (``O(N L^2)``), outside-in for the V order of ``zbv``/``dualpipev`` (rank ``r``
-owns the ``r``-th stage from each end, ``O(P L^4)``), and two chunks side by side for
-``interleaved_1f1b`` with two stages per rank (``O(P L^5)``, vectorized). The baselines
+until its backward), and ``allreduce(a, b)`` is
+:func:`~lightning_memkit.pipeline.cost.allreduce_buffer_bytes` of the stage's gradients (``0`` for one
+replica, so ``data_parallel_size=1`` is the pipeline alone): the all-reduce runs after the last backward,
+when the activations are gone and the buffers and gradients are not. A rank's peak is the sum over its
+stages (exact for one stage per rank; for two, an upper bound of the rank's single all-reduce).
+:func:`partition_layers` returns the contiguous split that minimizes the largest rank peak, exactly, by
+dynamic programming: left to right for one stage per rank (``O(N L^2)``), outside-in for the V order of
+``zbv``/``dualpipev`` (rank ``r`` owns the ``r``-th stage from each end, ``O(P L^4)``), and two chunks
+side by side for ``interleaved_1f1b`` with two stages per rank (``O(P L^5)``, vectorized). The baselines
 :func:`uniform_partition` (equal layer counts, as torchtitan and DeepSpeed ``"uniform"``) and
 :func:`parameter_balanced_partition` (equal trainable bytes per stage, as DeepSpeed ``"parameters"``)
 are scored with the same model.
@@ -46,6 +51,7 @@ from lightning_memkit.pipeline.cost import (
     resolve_stages_per_rank,
     stage_to_rank,
 )
+from lightning_memkit.pipeline.gradients import _BUCKET_BYTES
 from lightning_memkit.validation import check_int
 
 __all__ = [
@@ -72,6 +78,7 @@ class Partition:
         stage_peak_bytes: predicted peak bytes of each stage.
         schedule, microbatches, stages_per_rank: the pipeline the prediction is for.
         method: ``"memory"``, ``"uniform"``, ``"parameters"`` or ``"given"``.
+        data_parallel_size: replicas of the pipeline whose gradients each rank averages (1: none).
     """
 
     sizes: tuple[int, ...]
@@ -83,6 +90,7 @@ class Partition:
     microbatches: int
     stages_per_rank: int
     method: str
+    data_parallel_size: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -123,6 +131,11 @@ def _prefix(values: Sequence[int]) -> torch.Tensor:
     return out
 
 
+def _check_dp(data_parallel_size, bucket_bytes, owner) -> tuple[int, int]:
+    return (check_int(data_parallel_size, "data_parallel_size", minimum=1, owner=owner),
+            check_int(bucket_bytes, "bucket_bytes", minimum=1, owner=owner))
+
+
 def _check_common(costs, num_stages, schedule, microbatches, stages_per_rank, owner="partition_layers"):
     layers = as_layer_costs(costs)
     v = resolve_stages_per_rank(schedule, stages_per_rank)
@@ -140,9 +153,20 @@ def _check_common(costs, num_stages, schedule, microbatches, stages_per_rank, ow
 
 
 def stage_cost_matrix(
-    costs: Sequence[LayerCost | int], stage: int, num_stages: int, inflight: int, microbatches: int
+    costs: Sequence[LayerCost | int],
+    stage: int,
+    num_stages: int,
+    inflight: int,
+    microbatches: int,
+    *,
+    data_parallel_size: int = 1,
+    bucket_bytes: int = _BUCKET_BYTES,
 ) -> torch.Tensor:
-    """``C[a, b]``: predicted peak bytes of ``stage`` owning layers ``[a, b)`` (float64; ``inf`` where ``a >= b``)."""
+    """``C[a, b]``: predicted peak bytes of ``stage`` owning layers ``[a, b)`` (float64; ``inf`` where ``a >= b``).
+
+    ``data_parallel_size`` replicas average their gradients in all-reduce buckets of ``bucket_bytes``.
+    """
+    dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "stage_cost_matrix")
     layers = as_layer_costs(costs)
     n = len(layers)
     out = [c.output_bytes for c in layers]
@@ -159,26 +183,42 @@ def stage_cost_matrix(
     out_t = torch.tensor(out, dtype=torch.int64)
     out_last = out_t[bm1.clamp(max=n - 1)].expand(n + 1, n + 1)
     per_mb = (act[b] - act[a]) + (kept_p[bm1] - kept_p[a.clamp(max=n)]).clamp(min=0) + out_last
-    cost = (static[b] - static[a]) + inflight * per_mb
+    cost = static[b] - static[a]
     if stage > 0:
         out_prev = out_t[(a - 1).clamp(min=0, max=n - 1)].expand(n + 1, n + 1)
         cost = cost + microbatches * torch.where(a > 0, out_prev, torch.zeros_like(out_prev))
     if stage < num_stages - 1:
         cost = cost + microbatches * out_last
-    ws = torch.tensor([c.workspace_bytes for c in layers], dtype=torch.int64)
-    wmax = torch.zeros(n + 1, n + 1, dtype=torch.int64)
-    for i in range(n):
-        wmax[i, i + 1:] = ws[i:].cummax(0).values
-    cost = cost + wmax
+    training = inflight * per_mb + _range_max([c.workspace_bytes for c in layers])
+    if dp > 1:  # the all-reduce buffer: max(min(grads, bucket), largest gradient), see allreduce_buffer_bytes
+        grads = _prefix([c.grad_bytes for c in layers])
+        reduce = torch.maximum((grads[b] - grads[a]).clamp(max=bucket),
+                               _range_max([c.largest_grad_bytes for c in layers]))
+        training = torch.maximum(training, reduce)
+    cost = cost + training
     return torch.where(valid, cost.double(), torch.full(cost.shape, _INF, dtype=torch.float64))
 
 
-def _matrices(layers, num_stages, inflight, microbatches) -> list[torch.Tensor]:
-    return [stage_cost_matrix(layers, s, num_stages, inflight[s], microbatches) for s in range(num_stages)]
+def _range_max(values: Sequence[int]) -> torch.Tensor:
+    """``R[a, b] = max(values[a:b])`` (0 where ``a >= b``)."""
+    n = len(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    out = torch.zeros(n + 1, n + 1, dtype=torch.int64)
+    for i in range(n):
+        out[i, i + 1:] = t[i:].cummax(0).values
+    return out
 
 
-def _finish(layers, boundaries, v, schedule, microbatches, inflight, ranks, method) -> Partition:
-    mats = _matrices(layers, len(boundaries) - 1, inflight, microbatches)
+def _matrices(layers, num_stages, inflight, microbatches, dp=1, bucket=_BUCKET_BYTES) -> list[torch.Tensor]:
+    return [
+        stage_cost_matrix(layers, s, num_stages, inflight[s], microbatches, data_parallel_size=dp, bucket_bytes=bucket)
+        for s in range(num_stages)
+    ]
+
+
+def _finish(layers, boundaries, v, schedule, microbatches, inflight, ranks, method, dp=1, bucket=_BUCKET_BYTES
+            ) -> Partition:
+    mats = _matrices(layers, len(boundaries) - 1, inflight, microbatches, dp, bucket)
     stage_peaks = tuple(int(mats[s][boundaries[s], boundaries[s + 1]]) for s in range(len(boundaries) - 1))
     num_ranks = (len(boundaries) - 1) // v
     rank_peaks = [0] * num_ranks
@@ -194,6 +234,7 @@ def _finish(layers, boundaries, v, schedule, microbatches, inflight, ranks, meth
         microbatches=microbatches,
         stages_per_rank=v,
         method=method,
+        data_parallel_size=dp,
     )
 
 
@@ -217,8 +258,12 @@ def evaluate_partition(
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
     method: str = "given",
+    data_parallel_size: int = 1,
+    bucket_bytes: int = _BUCKET_BYTES,
 ) -> Partition:
     """The :class:`Partition` (with predicted peaks) of a given split ``sizes`` (layers per stage).
+
+    ``data_parallel_size`` and ``bucket_bytes`` as in :func:`partition_layers`.
 
     Example::
 
@@ -230,8 +275,9 @@ def evaluate_partition(
         costs, len(sizes) if isinstance(sizes, Sequence) else 0, schedule, microbatches, stages_per_rank,
         owner="evaluate_partition",
     )
+    dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "evaluate_partition")
     bounds = _boundaries_from_sizes(sizes, len(layers))
-    return _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, method)
+    return _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, method, dp, bucket)
 
 
 # -- exact minimax partition ------------------------------------------------------------------------------
@@ -353,6 +399,8 @@ def partition_layers(
     microbatches: int | None = None,
     max_bytes_per_rank: int | None = None,
     stages_per_rank: int | None = None,
+    data_parallel_size: int = 1,
+    bucket_bytes: int = _BUCKET_BYTES,
 ) -> Partition:
     """The contiguous split of ``costs`` into ``num_stages`` stages with the smallest largest per-rank peak.
 
@@ -365,6 +413,10 @@ def partition_layers(
             fits every rank under it.
         stages_per_rank: stages per rank; only ``interleaved_1f1b`` allows a choice, and the exact search
             supports 2 there (use :func:`evaluate_partition` to score other splits).
+        data_parallel_size: replicas of the pipeline (DDP); above 1, each rank's peak includes the buffer that
+            averaging its gradients allocates before the optimizer step.
+        bucket_bytes: the gradient all-reduce bucket (25 MiB, as
+            :func:`~lightning_memkit.pipeline.gradients.average_gradients`).
 
     Example::
 
@@ -374,18 +426,19 @@ def partition_layers(
     """
     layers, v, microbatches, inflight, ranks = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank)
     check_int(max_bytes_per_rank, "max_bytes_per_rank", minimum=1, allow_none=True, owner="partition_layers")
+    dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "partition_layers")
     n, p = len(layers), num_stages // v
     if v > 2:
         raise ValueError(
             f"stages_per_rank={v}: the exact memory partition for 'interleaved_1f1b' supports 2 stages per rank; "
             "pass explicit sizes (evaluate_partition) or use stages_per_rank=2"
         )
-    mats = _matrices(layers, num_stages, inflight, microbatches)
+    mats = _matrices(layers, num_stages, inflight, microbatches, dp, bucket)
     sched = schedule.lower()
     minimax = _Objective()
     best, _ = _solve(mats, n, p, v, sched, minimax)
     _, bounds = _solve(mats, n, p, v, sched, _Objective(cap=best, splits=minimax.splits))
-    result = _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, "memory")
+    result = _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, "memory", dp, bucket)
     value = result.max_peak_bytes
     assert value == int(best), (value, best)
     if max_bytes_per_rank is not None and value > max_bytes_per_rank:
@@ -406,13 +459,16 @@ def uniform_partition(
     schedule: str = "1f1b",
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
+    data_parallel_size: int = 1,
+    bucket_bytes: int = _BUCKET_BYTES,
 ) -> Partition:
     """Equal layer counts per stage (the first ``L mod N`` stages get one more), scored with the memory model."""
     layers, *_ = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank, owner="uniform_partition")
     n = len(layers)
     sizes = [n // num_stages + (1 if s < n % num_stages else 0) for s in range(num_stages)]
     return evaluate_partition(
-        layers, sizes, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank, method="uniform"
+        layers, sizes, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank, method="uniform",
+        data_parallel_size=data_parallel_size, bucket_bytes=bucket_bytes,
     )
 
 
@@ -423,6 +479,8 @@ def parameter_balanced_partition(
     schedule: str = "1f1b",
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
+    data_parallel_size: int = 1,
+    bucket_bytes: int = _BUCKET_BYTES,
 ) -> Partition:
     """The split with the smallest largest per-*stage* trainable-parameter bytes, scored with the memory model.
 
@@ -444,5 +502,5 @@ def parameter_balanced_partition(
     sizes = [bounds[s + 1] - bounds[s] for s in range(num_stages)]
     return evaluate_partition(
         layers, sizes, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
-        method="parameters",
+        method="parameters", data_parallel_size=data_parallel_size, bucket_bytes=bucket_bytes,
     )

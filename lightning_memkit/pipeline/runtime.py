@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +47,9 @@ __all__ = [
     "PipelineRuntime",
     "check_microbatches",
     "split_batch_size",
-    "cross_stage_shared",
+    "Tie",
+    "release_to_meta",
+    "tied_parameters",
     "fused_head_loss",
     "measure_pipeline_costs",
     "stage_scratch",
@@ -80,18 +83,55 @@ def split_batch_size(batch_size: int, microbatches: int) -> int:
     return batch_size // microbatches
 
 
-def cross_stage_shared(layers: Sequence[nn.Module], partition: Partition) -> list[str]:
-    """Descriptions of parameters used by layers on different ranks (tied weights across ranks)."""
-    owner: dict[int, tuple[int, int]] = {}
-    problems = []
+@dataclass(frozen=True)
+class Tie:
+    """One parameter used by layers on several pipeline ranks (a tied input/output embedding, say).
+
+    ``ranks``: the pipeline ranks that use it, sorted (the first one counts it for the global norm);
+    ``names``: ``"layer <i> (<name>)"`` of each use; ``param``: the parameter object in the full layer list.
+    """
+
+    ranks: tuple[int, ...]
+    names: tuple[str, ...]
+    param: nn.Parameter
+
+
+def tied_parameters(layers: Sequence[nn.Module], partition: Partition) -> list[Tie]:
+    """The parameters that layers on different ranks share, in order of first use (the same on every rank).
+
+    Example::
+
+        >>> from torch import nn
+        >>> from lightning_memkit.pipeline import evaluate_partition
+        >>> from lightning_memkit.pipeline.runtime import tied_parameters
+        >>> emb, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+        >>> head.weight = emb.weight
+        >>> part = evaluate_partition([1, 1, 1], [1, 2], schedule="gpipe")
+        >>> [(t.ranks, t.names) for t in tied_parameters([emb, nn.Linear(4, 4), head], part)]
+        [((0, 1), ('layer 0 (weight)', 'layer 2 (weight)'))]
+    """
+    uses: dict[int, tuple[nn.Parameter, set[int], list[str]]] = {}
     for stage in range(partition.num_stages):
         rank = partition.stage_ranks[stage]
         for i in partition.layers_of_stage(stage):
             for name, p in layers[i].named_parameters():
-                seen = owner.setdefault(id(p), (i, rank))
-                if seen[1] != rank:
-                    problems.append(f"layer {i} ({name}) shares a parameter with layer {seen[0]} on another rank")
-    return problems
+                entry = uses.setdefault(id(p), (p, set(), []))
+                entry[1].add(rank)
+                entry[2].append(f"layer {i} ({name})")
+    return [Tie(tuple(sorted(ranks)), tuple(names), p) for p, ranks, names in uses.values() if len(ranks) > 1]
+
+
+def release_to_meta(layer: nn.Module, keep: set[int]) -> None:
+    """Move ``layer``'s parameters and buffers to ``meta`` (freeing their storage), except those in ``keep``.
+
+    A kept parameter (``id`` in ``keep``: another local layer uses it) is replaced in ``layer`` by a ``meta``
+    stand-in, so the local layer keeps the real one.
+    """
+    for module in layer.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) in keep:
+                module.register_parameter(name, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+    layer.to("meta")
 
 
 class BatchLoss:
@@ -335,9 +375,7 @@ class PipelineRuntime:
         self.schedule_name = partition.schedule
         cls = schedule_class(self.schedule_name)
         check_microbatches(self.schedule_name, partition.num_stages, partition.microbatches, world)
-        shared = cross_stage_shared(layers, partition)
-        if shared:
-            raise ValueError("tied parameters cannot span pipeline ranks: " + "; ".join(shared[:3]))
+        self.ties = tied_parameters(layers, partition)
         head = layers[-1]
         if fused_head and not isinstance(head, nn.Linear):
             raise TypeError(f"fused_head=True needs the last layer to be an nn.Linear head, got {type(head).__name__}")
@@ -369,9 +407,10 @@ class PipelineRuntime:
 
         local = set(self.layer_indices)
         if release_remote:
+            keep = {id(p) for i in local for p in layers[i].parameters()}
             for i, layer in enumerate(layers):
                 if i not in local:
-                    layer.to("meta")
+                    release_to_meta(layer, keep)
         for m in modules:
             m.to(self.device)
         self.modules = modules

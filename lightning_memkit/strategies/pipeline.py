@@ -69,7 +69,12 @@ from lightning_memkit.pipeline import (
 )
 from lightning_memkit.pipeline import checkpoint as ckpt_format
 from lightning_memkit.pipeline.config import PipelineConfig
-from lightning_memkit.pipeline.gradients import average_gradients, clip_global_norm
+from lightning_memkit.pipeline.gradients import (
+    average_gradients,
+    broadcast_tensors,
+    clip_global_norm,
+    sum_gradients,
+)
 from lightning_memkit.pipeline.runtime import (
     PipelineRuntime,
     check_microbatches,
@@ -176,6 +181,8 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         self._pending: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._hf_name: str | None = None  # the Hugging Face causal LM's module name when the protocol is absent
         self._plan: _Plan | None = None
+        self._tie_groups: list[tuple[nn.Parameter, Any]] = []
+        self._not_owned: set[int] = set()
 
     # the options, read-only (one home: self.config)
     schedule = property(lambda self: self.config.schedule)
@@ -333,6 +340,8 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
             plan.layers, partition, loss_fn=plan.loss_fn, device=self.root_device, fused_head=plan.fused_head,
             group=self.mesh["pp"].get_group(),
         )
+        self._tie_groups = self._connect_ties(self._runtime)
+        self._sync_replicas(self._runtime)
         local = {id(p) for p in self._runtime.parameters()}
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -347,6 +356,29 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
                 f"memkit_pipeline: {partition.schedule}, {partition.num_stages} stages of {list(partition.sizes)} "
                 f"layers ({partition.method}); predicted peak per rank [MiB]: {peaks}"
             )
+
+    def _connect_ties(self, runtime: PipelineRuntime) -> list[tuple[nn.Parameter, Any]]:
+        """A process group per tied parameter and replica (every rank creates all, in order); this rank's ties.
+
+        Each tie starts from the value of its first rank, so that both ends hold the same tensor.
+        """
+        dp, pp = self.mesh_shape
+        replica, pp_rank = divmod(self.global_rank, pp)
+        mine = []
+        for tie in runtime.ties:
+            groups = [torch.distributed.new_group([d * pp + r for r in tie.ranks]) for d in range(dp)]
+            if pp_rank in tie.ranks:
+                mine.append((tie.param, groups[replica]))
+                broadcast_tensors([tie.param], src=replica * pp + tie.ranks[0], group=groups[replica])
+        self._not_owned = {id(t.param) for t in runtime.ties if pp_rank in t.ranks[1:]}
+        return mine
+
+    def _sync_replicas(self, runtime: PipelineRuntime) -> None:
+        """Every replica starts from the first replica's weights and buffers (as DDP does at set-up)."""
+        dp, pp = self.mesh_shape
+        if dp > 1:
+            tensors = [*runtime.parameters(), *(b for m in runtime.modules for b in m.buffers())]
+            broadcast_tensors(tensors, src=self.global_rank % pp, group=self.mesh["dp"].get_group())
 
     def memory_effect(self) -> str:
         """One line: the stages, their layers and the predicted peak of each stage and rank, in bytes."""
@@ -505,15 +537,18 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
 
         def synced() -> Any:
             result = closure()
-            runtime = self._runtime_or_raise()
-            params = [p for p in runtime.parameters() if p.grad is not None]
+            for param, group in self._tie_groups:  # both ends of a tie add their gradients and step alike
+                sum_gradients([param], group)
+            params = [p for p in self._runtime_or_raise().parameters() if p.grad is not None]
             if self.mesh_shape[0] > 1:
                 average_gradients(params, self.mesh["dp"].get_group())
             trainer = self.lightning_module.trainer
             by_norm = (trainer.gradient_clip_algorithm or "norm") == "norm"  # None: Lightning's default, the norm
-            if trainer.gradient_clip_val and by_norm:
-                clip_global_norm(params, float(trainer.gradient_clip_val), self.mesh["pp"].get_group(),
-                                 device=self.root_device)
+            if trainer.gradient_clip_val and by_norm:  # a tied parameter counts once, on its first rank
+                owned = [p for p in params if id(p) not in self._not_owned]
+                shared = [p for p in params if id(p) in self._not_owned]
+                clip_global_norm(owned, float(trainer.gradient_clip_val), self.mesh["pp"].get_group(),
+                                 device=self.root_device, also_scale=shared)
             return result
 
         return super().optimizer_step(optimizer, synced, model, **kwargs)

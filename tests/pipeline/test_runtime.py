@@ -16,7 +16,13 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 from lightning_memkit.pipeline import evaluate_partition
-from lightning_memkit.pipeline.runtime import TUPLES_SINCE, check_microbatches, cross_stage_shared, split_batch_size
+from lightning_memkit.pipeline.runtime import (
+    TUPLES_SINCE,
+    check_microbatches,
+    release_to_meta,
+    split_batch_size,
+    tied_parameters,
+)
 
 WORKER = Path(__file__).with_name("_pipeline_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,16 +146,23 @@ def test_microbatch_and_batch_checks():
     assert split_batch_size(12, 4) == 3
 
 
-def test_tied_weights_across_ranks_are_reported():
+def test_tied_weights_across_ranks_are_found_and_the_local_copy_survives_the_release():
     emb = nn.Embedding(8, 4)
     head = nn.Linear(4, 8, bias=False)
     head.weight = emb.weight
     layers = [emb, nn.Linear(4, 4), head]
     across = evaluate_partition([1, 1, 1], [1, 2], schedule="gpipe")
-    assert cross_stage_shared(layers, across) == ["layer 2 (weight) shares a parameter with layer 0 on another rank"]
+    (tie,) = tied_parameters(layers, across)
+    assert (tie.ranks, tie.names, tie.param is emb.weight) == ((0, 1), ("layer 0 (weight)", "layer 2 (weight)"), True)
     together = evaluate_partition([1, 1, 1], [3], schedule="gpipe")
-    assert cross_stage_shared(layers, together) == []
-    assert torch.equal(emb.weight, head.weight)
+    assert tied_parameters(layers, together) == []
+    # rank 1 holds layers 1 and 2: the embedding goes to meta, the head keeps the real (shared) weight
+    value = emb.weight.detach().clone()
+    release_to_meta(emb, keep={id(p) for layer in layers[1:] for p in layer.parameters()})
+    assert emb.weight.device.type == "meta" and head.weight.device.type == "cpu"
+    assert torch.equal(head.weight, value)
+    release_to_meta(layers[1], keep=set())
+    assert all(p.device.type == "meta" for p in layers[1].parameters())
 
 
 @pytest.mark.cuda

@@ -39,9 +39,9 @@ class SGDLM(TinyLM):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
-def model() -> TinyLM:
+def model(tied: bool = False) -> TinyLM:
     torch.manual_seed(0)
-    return SGDLM(d_model=16, n_layers=2, n_heads=2, seq_len=SEQ)
+    return SGDLM(d_model=16, n_layers=2, n_heads=2, seq_len=SEQ, tie_embeddings=tied)
 
 
 def dataset() -> TensorDataset:
@@ -78,9 +78,9 @@ def batches() -> list[list[int]]:
     return out
 
 
-def reference(clip=lambda params: torch.nn.utils.clip_grad_norm_(params, CLIP)) -> dict:
+def reference(clip=lambda params: torch.nn.utils.clip_grad_norm_(params, CLIP), tied: bool = False) -> dict:
     """One process over the same global batches, clipped by the norm of all gradients (or by ``clip``)."""
-    lm = model()
+    lm = model(tied)
     opt = lm.configure_optimizers()
     data = dataset()
     losses = []
@@ -114,7 +114,18 @@ def mesh(out: Path, rank: int) -> dict:
     trainer(out / "value", 4, [by_value], gradient_clip_val=VALUE, gradient_clip_algorithm="value").fit(
         model(), DataLoader(dataset(), batch_size=BATCH))
     result["value"] = by_value.train
+    tied = Record()
+    trainer(out / "tied", 4, [tied, ModelCheckpoint(dirpath=out / "ckpt_tied", save_top_k=1)]).fit(
+        model(tied=True), DataLoader(dataset(), batch_size=BATCH))
+    result["tied"] = tied.train
     if rank == 0:
+        ref = reference(tied=True)
+        result["tied_reference"] = ref["train"]
+        merged = load_pipeline_state_dict(out / "ckpt_tied" / "epoch=1-step=4.ckpt")
+        result["tied_keys"] = sorted(k for k in merged if k in ("tok_emb.weight", "head.weight"))
+        result["tied_equal"] = torch.equal(merged["tok_emb.weight"], merged["head.weight"])
+        result["tied_error"] = max(float((merged[k] - torch.tensor(v)).abs().max()) for k, v in ref["state"].items()
+                                   if k in merged)
         result["value_reference"] = reference(lambda ps: torch.nn.utils.clip_grad_value_(ps, VALUE))["train"]
         a = load_pipeline_state_dict(out / "ckpt" / "epoch=1-step=4.ckpt")
         b = load_pipeline_state_dict(out / "ckpt_resumed" / "epoch=1-step=4.ckpt")

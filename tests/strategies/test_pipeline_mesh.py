@@ -67,6 +67,11 @@ def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_with_clipping
     assert all(r["value"] == r0["value"] for r in ranks)
     assert r0["value"] == pytest.approx(r0["value_reference"], rel=1e-5, abs=1e-6)
     assert r0["value"] != pytest.approx(r0["train"], rel=1e-4)  # the two clippings give other runs
+    # a head tied to the embedding, the two on different ranks: gradients summed, one update on both copies
+    assert all(r["tied"] == r0["tied"] for r in ranks)
+    assert r0["tied"] == pytest.approx(r0["tied_reference"], rel=1e-5, abs=1e-6)
+    assert r0["tied_keys"] == ["head.weight", "tok_emb.weight"] and r0["tied_equal"] is True
+    assert r0["tied_error"] < 1e-5
     # the checkpoint of a 2-replica run loads into a 1-replica run (parameters do not depend on dp)
     one = launch(tmp_path, "one_replica", 2)
     assert one[0]["mesh"] == [1, 2]
