@@ -100,9 +100,9 @@ class PipelineConfig:
         timeout: process-group timeout in seconds (or a ``timedelta``); ``None``: 30 minutes.
         pipeline_parallel_size: ranks per pipeline replica (``P``); ``None``: the whole world (no data
             parallelism). The world must be a multiple of it; ``world / P`` replicas train on their own data.
-        data_parallel: how the replicas share gradients: ``"ddp"`` (each stage's gradients averaged over the
-            replicas). ``"fsdp"`` (each stage sharded over the replicas with FSDP2 ``fully_shard``) is refused
-            with ``NotImplementedError`` for now.
+        data_parallel: how the replicas share the work: ``"ddp"`` (each stage replicated, its gradients averaged
+            over the replicas) or ``"fsdp"`` (each stage's layers sharded over the replicas with FSDP2
+            ``fully_shard``; not with ``fused_loss=True``).
     """
 
     schedule: str = "1f1b"
@@ -142,10 +142,10 @@ class PipelineConfig:
         put(self, "pipeline_parallel_size", check_int(self.pipeline_parallel_size, "pipeline_parallel_size",
                                                       minimum=1, allow_none=True, owner=_OWNER))
         check_choice(self.data_parallel, "data_parallel", DATA_PARALLEL, owner=_OWNER)
-        if self.data_parallel == "fsdp":
+        if self.data_parallel == "fsdp" and self.fused_loss:
             raise NotImplementedError(
-                f"{_OWNER}(data_parallel='fsdp'): sharding the stages over the replicas is not available yet; "
-                "use data_parallel='ddp' (each stage replicated, gradients averaged)"
+                f"{_OWNER}(data_parallel='fsdp', fused_loss=True): the fused loss reads the head's weight outside "
+                "the head's forward, where FSDP keeps it sharded; use data_parallel='ddp' or fused_loss=False"
             )
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_memkit.pipeline.sharding import local
 from lightning_memkit.validation import check_int, check_number
 
 __all__ = ["average_gradients", "broadcast_tensors", "clip_global_norm", "sum_gradients"]
@@ -85,7 +86,7 @@ def sum_gradients(params: Iterable[torch.Tensor], group=None) -> None:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
+        dist.all_reduce(local(p.grad), group=group)
 
 
 @torch.no_grad()
@@ -113,12 +114,13 @@ def clip_global_norm(
     if device is None:
         device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        squares += g.detach().float().pow(2).sum().to(device)
+    for g in grads:  # a sharded gradient adds its own shard: the group then sums the shards of every rank
+        squares += local(g).detach().float().pow(2).sum().to(device)
     if _distributed(group):
         dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in [*grads, *(p.grad for p in also_scale if p.grad is not None)]:
-        g.detach().mul_(coef.to(g.device, g.dtype))
+        shard = local(g).detach()
+        shard.mul_(coef.to(shard.device, shard.dtype))
     return norm

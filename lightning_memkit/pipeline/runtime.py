@@ -94,6 +94,14 @@ class Tie:
     ranks: tuple[int, ...]
     names: tuple[str, ...]
     param: nn.Parameter
+    uses: tuple[tuple[int, str], ...] = ()  # (layer index, parameter name in that layer) of each use
+
+    def local_param(self, layers: Sequence[nn.Module], local: Sequence[int]) -> nn.Parameter:
+        """The parameter as the first of the ``local`` layers that use it holds it now (after ``fully_shard``)."""
+        for i, name in self.uses:
+            if i in local:
+                return layers[i].get_parameter(name)
+        raise ValueError(f"no local layer uses the tied parameter ({', '.join(self.names)})")
 
 
 def tied_parameters(layers: Sequence[nn.Module], partition: Partition) -> list[Tie]:
@@ -110,15 +118,16 @@ def tied_parameters(layers: Sequence[nn.Module], partition: Partition) -> list[T
         >>> [(t.ranks, t.names) for t in tied_parameters([emb, nn.Linear(4, 4), head], part)]
         [((0, 1), ('layer 0 (weight)', 'layer 2 (weight)'))]
     """
-    uses: dict[int, tuple[nn.Parameter, set[int], list[str]]] = {}
+    uses: dict[int, tuple[nn.Parameter, set[int], list[tuple[int, str]]]] = {}
     for stage in range(partition.num_stages):
         rank = partition.stage_ranks[stage]
         for i in partition.layers_of_stage(stage):
             for name, p in layers[i].named_parameters():
                 entry = uses.setdefault(id(p), (p, set(), []))
                 entry[1].add(rank)
-                entry[2].append(f"layer {i} ({name})")
-    return [Tie(tuple(sorted(ranks)), tuple(names), p) for p, ranks, names in uses.values() if len(ranks) > 1]
+                entry[2].append((i, name))
+    return [Tie(tuple(sorted(ranks)), tuple(f"layer {i} ({n})" for i, n in where), p, tuple(where))
+            for p, ranks, where in uses.values() if len(ranks) > 1]
 
 
 def release_to_meta(layer: nn.Module, keep: set[int]) -> None:
@@ -339,6 +348,8 @@ class PipelineRuntime:
         release_remote: move layers that other ranks hold to ``meta`` (frees their storage).
         fused_head: the last layer is an ``nn.Linear`` LM head; the last stage skips it and computes
             ``linear_cross_entropy(hidden, head.weight, target)`` instead of ``loss_fn`` (no logits).
+        prepare: called with the runtime once its stage modules (``self.modules``) are on the device and before
+            torch's ``PipelineStage`` objects wrap them (``fully_shard`` them there, or synchronize weights).
     """
 
     def __init__(
@@ -351,6 +362,7 @@ class PipelineRuntime:
         group: dist.ProcessGroup | None = None,
         release_remote: bool = True,
         fused_head: bool = False,
+        prepare: Callable[[PipelineRuntime], None] | None = None,
     ):
         if not isinstance(partition, Partition):
             raise TypeError(f"partition must be a Partition, got {type(partition).__name__}")
@@ -414,6 +426,8 @@ class PipelineRuntime:
         for m in modules:
             m.to(self.device)
         self.modules = modules
+        if prepare is not None:  # e.g. shard the stage modules over data-parallel replicas before torch's stages
+            prepare(self)
         self.stages = [
             PipelineStage(m, stage_index=s, num_stages=partition.num_stages, device=self.device, group=self.group)
             for m, s in zip(modules, self.stage_indices)

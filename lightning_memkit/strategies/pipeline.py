@@ -81,6 +81,7 @@ from lightning_memkit.pipeline.runtime import (
     measure_pipeline_costs,
     split_batch_size,
 )
+from lightning_memkit.pipeline.sharding import full_state, reshard_optimizer_state, shard_stage_modules
 from lightning_memkit.progress import WorkProgress, progress_enabled
 from lightning_memkit.strategies.process_group import ProcessGroupStrategy
 from lightning_memkit.validation import check_choice
@@ -338,10 +339,10 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         self.partition = partition
         self._runtime = PipelineRuntime(
             plan.layers, partition, loss_fn=plan.loss_fn, device=self.root_device, fused_head=plan.fused_head,
-            group=self.mesh["pp"].get_group(),
+            group=self.mesh["pp"].get_group(), prepare=self._prepare_stages,
         )
-        self._tie_groups = self._connect_ties(self._runtime)
-        self._sync_replicas(self._runtime)
+        if fitting and self._sharded:
+            self.setup_optimizers(trainer)  # FSDP2 replaced the parameters: the optimizer must hold the new ones
         local = {id(p) for p in self._runtime.parameters()}
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -357,7 +358,24 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
                 f"layers ({partition.method}); predicted peak per rank [MiB]: {peaks}"
             )
 
-    def _connect_ties(self, runtime: PipelineRuntime) -> list[tuple[nn.Parameter, Any]]:
+    @property
+    def _sharded(self) -> bool:
+        """Whether the stages are sharded over the replicas (``data_parallel="fsdp"`` with more than one)."""
+        return self.config.data_parallel == "fsdp" and self.mesh_shape[0] > 1
+
+    def _prepare_stages(self, runtime: PipelineRuntime) -> None:
+        """Before torch's stages exist: connect tied parameters, align the replicas, shard over them (FSDP)."""
+        ties = self._connect_ties(runtime)
+        self._sync_replicas(runtime)
+        if self._sharded:
+            shard_stage_modules(runtime.modules, self.mesh["dp"])
+        layers = self._plan.layers if self._plan is not None else []
+        pp_rank = self.global_rank % self.mesh_shape[1]
+        # the parameter objects the local layers hold now (fully_shard replaces them by DTensor parameters)
+        self._tie_groups = [(tie.local_param(layers, runtime.layer_indices), group) for tie, group in ties]
+        self._not_owned = {id(p) for (p, _), (tie, _) in zip(self._tie_groups, ties) if pp_rank != tie.ranks[0]}
+
+    def _connect_ties(self, runtime: PipelineRuntime) -> list[tuple[Any, Any]]:
         """A process group per tied parameter and replica (every rank creates all, in order); this rank's ties.
 
         Each tie starts from the value of its first rank, so that both ends hold the same tensor.
@@ -368,9 +386,8 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         for tie in runtime.ties:
             groups = [torch.distributed.new_group([d * pp + r for r in tie.ranks]) for d in range(dp)]
             if pp_rank in tie.ranks:
-                mine.append((tie.param, groups[replica]))
+                mine.append((tie, groups[replica]))
                 broadcast_tensors([tie.param], src=replica * pp + tie.ranks[0], group=groups[replica])
-        self._not_owned = {id(t.param) for t in runtime.ties if pp_rank in t.ranks[1:]}
         return mine
 
     def _sync_replicas(self, runtime: PipelineRuntime) -> None:
@@ -540,15 +557,16 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
             for param, group in self._tie_groups:  # both ends of a tie add their gradients and step alike
                 sum_gradients([param], group)
             params = [p for p in self._runtime_or_raise().parameters() if p.grad is not None]
-            if self.mesh_shape[0] > 1:
+            if self.mesh_shape[0] > 1 and not self._sharded:  # FSDP2 reduce-scatters (averages) them itself
                 average_gradients(params, self.mesh["dp"].get_group())
             trainer = self.lightning_module.trainer
             by_norm = (trainer.gradient_clip_algorithm or "norm") == "norm"  # None: Lightning's default, the norm
             if trainer.gradient_clip_val and by_norm:  # a tied parameter counts once, on its first rank
                 owned = [p for p in params if id(p) not in self._not_owned]
                 shared = [p for p in params if id(p) in self._not_owned]
-                clip_global_norm(owned, float(trainer.gradient_clip_val), self.mesh["pp"].get_group(),
-                                 device=self.root_device, also_scale=shared)
+                group = None if self._sharded else self.mesh["pp"].get_group()  # shards: the norm spans dp too
+                clip_global_norm(owned, float(trainer.gradient_clip_val), group, device=self.root_device,
+                                 also_scale=shared)
             return result
 
         return super().optimizer_step(optimizer, synced, model, **kwargs)
@@ -595,9 +613,25 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's share: every entry of the LightningModule's state dict that is not on ``meta``."""
+        """This rank's share: every entry of the LightningModule's state dict that is not on ``meta``.
+
+        Sharded (FSDP) entries are gathered into full tensors, so that the checkpoint does not depend on ``dp``.
+        """
         state = self.lightning_module.state_dict()
-        return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.device.type == "meta")}
+        state = {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.device.type == "meta")}
+        return full_state(state) if self._sharded else state
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state dict, its sharded (FSDP) tensors gathered into full ones."""
+        state = super().optimizer_state(optimizer)
+        return full_state(state) if self._sharded else state
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Lightning's load, then (FSDP) each full state tensor cut to the shard of its parameter."""
+        super().load_optimizer_state_dict(checkpoint)
+        if self._sharded:
+            for optimizer in self.optimizers:
+                reshard_optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write ``filepath/`` crash-consistently: every rank's shard, a barrier, then rank 0's ``manifest.json``.

@@ -5,6 +5,7 @@
 
 PHASE ``mesh``: 4 ranks, ``pipeline_parallel_size=2`` (2 replicas): a fit with global-norm clipping, the same
 fit resumed from its step-2 checkpoint, and (rank 0) the single-process reference over the same global batches.
+PHASE ``fsdp``: 4 ranks, the stages sharded over the 2 replicas (FSDP2), with a tied head.
 PHASE ``one_replica``: 2 ranks (1 replica) validate the step-2 checkpoint of the 2-replica run.
 """
 
@@ -57,13 +58,14 @@ class Record(Callback):
         self.train.append(float(outputs["loss"]))
 
 
-def trainer(out: Path, devices: int, callbacks, **kw) -> pl.Trainer:
+def trainer(out: Path, devices: int, callbacks, data_parallel: str = "ddp", **kw) -> pl.Trainer:
     kw.setdefault("gradient_clip_val", CLIP)
     return pl.Trainer(
         accelerator="cpu", devices=devices, max_epochs=EPOCHS, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=out,
         limit_val_batches=1,
-        strategy=MemkitPipelineStrategy(microbatches=2, timeout=60, pipeline_parallel_size=2), **kw,
+        strategy=MemkitPipelineStrategy(microbatches=2, timeout=60, pipeline_parallel_size=2,
+                                        data_parallel=data_parallel), **kw,
     )
 
 
@@ -135,6 +137,33 @@ def mesh(out: Path, rank: int) -> dict:
     return result
 
 
+def fsdp(out: Path, rank: int) -> dict:
+    result = {}
+    for tied in (False, True):
+        record = Record()
+        ckpt = ModelCheckpoint(dirpath=out / f"fsdp_ckpt{tied}", save_top_k=-1, every_n_epochs=1)
+        t = trainer(out / f"fsdp{tied}", 4, [record, ckpt], data_parallel="fsdp")
+        t.fit(model(tied), DataLoader(dataset(), batch_size=BATCH))
+        stage = t.strategy.runtime.modules[0]
+        result[f"train_{tied}"] = record.train
+        result["sharded"] = type(next(stage.parameters())).__name__
+        if rank == 0:
+            ref = reference(tied=tied)
+            result[f"reference_{tied}"] = ref["train"]
+            merged = load_pipeline_state_dict(out / f"fsdp_ckpt{tied}" / "epoch=1-step=4.ckpt")
+            result[f"state_error_{tied}"] = max(float((merged[k] - torch.tensor(v)).abs().max())
+                                                for k, v in ref["state"].items())
+    resumed = Record()  # the sharded run resumed from its epoch-0 checkpoint (full tensors, cut again)
+    trainer(out / "fsdp_resumed", 4, [resumed], data_parallel="fsdp", enable_checkpointing=False).fit(
+        model(), DataLoader(dataset(), batch_size=BATCH), ckpt_path=str(out / "fsdp_ckptFalse" / "epoch=0-step=2.ckpt"))
+    result["resumed"] = resumed.train
+    replicated = Record()  # the same checkpoint resumed by replicated (DDP) stages
+    trainer(out / "ddp_resumed", 4, [replicated], enable_checkpointing=False).fit(
+        model(), DataLoader(dataset(), batch_size=BATCH), ckpt_path=str(out / "fsdp_ckptFalse" / "epoch=0-step=2.ckpt"))
+    result["resumed_ddp"] = replicated.train
+    return result
+
+
 def one_replica(out: Path, rank: int) -> dict:
     t = trainer(out / "one", 2, [])
     val = t.validate(model(), DataLoader(dataset(), batch_size=BATCH * REPLICAS),
@@ -145,7 +174,7 @@ def one_replica(out: Path, rank: int) -> dict:
 def main() -> None:
     out, phase = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["LOCAL_RANK"])
-    result = {"mesh": mesh, "one_replica": one_replica}[phase](out, rank)
+    result = {"mesh": mesh, "fsdp": fsdp, "one_replica": one_replica}[phase](out, rank)
     (out / f"{phase}_rank{rank}.json").write_text(json.dumps(result))
 
 

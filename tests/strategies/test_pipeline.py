@@ -78,7 +78,8 @@ def test_pipeline_size_must_divide_the_world():
         ({"data_parallel": "zero"}, ValueError, r"\(data_parallel='zero'\): must be one of 'ddp', 'fsdp'"),
         ({"start_method": "thread"}, ValueError, r"\(start_method='thread'\): must be one of 'popen', 'spawn'"),
         ({"router_aux": "all"}, ValueError, r"\(router_aux='all'\): must be one of 'exact', 'microbatch'"),
-        ({"data_parallel": "fsdp"}, NotImplementedError, r"\(data_parallel='fsdp'\): sharding the stages .* not "),
+        ({"data_parallel": "fsdp", "fused_loss": True}, NotImplementedError,
+         r"\(data_parallel='fsdp', fused_loss=True\): the fused loss reads the head's weight"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, match):

@@ -76,3 +76,17 @@ def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_with_clipping
     one = launch(tmp_path, "one_replica", 2)
     assert one[0]["mesh"] == [1, 2]
     assert one[0]["val_step2"] == pytest.approx(r0["val_step2"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_stages_sharded_over_two_replicas_with_fsdp_train_as_one_process(tmp_path):
+    ranks = launch(tmp_path, "fsdp", 4)
+    r0 = ranks[0]
+    assert r0["sharded"] == "DTensor"
+    for tied in (False, True):  # with a tied head too: its two copies are sharded and summed shard by shard
+        assert all(r[f"train_{tied}"] == r0[f"train_{tied}"] for r in ranks)
+        assert r0[f"train_{tied}"] == pytest.approx(r0[f"reference_{tied}"], rel=1e-5, abs=1e-6), tied
+        assert r0[f"state_error_{tied}"] < 1e-5  # the checkpoint holds full tensors: one process's weights
+    # resume from the sharded run's epoch-0 checkpoint: bitwise the same steps, sharded or replicated
+    assert r0["resumed"] == r0["train_False"][2:]
+    assert r0["resumed_ddp"] == pytest.approx(r0["train_False"][2:], rel=1e-6)
