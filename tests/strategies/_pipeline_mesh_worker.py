@@ -161,6 +161,13 @@ def fsdp(out: Path, rank: int) -> dict:
     trainer(out / "ddp_resumed", 4, [replicated], enable_checkpointing=False).fit(
         model(), DataLoader(dataset(), batch_size=BATCH), ckpt_path=str(out / "fsdp_ckptFalse" / "epoch=0-step=2.ckpt"))
     result["resumed_ddp"] = replicated.train
+    by_value = Record()
+    t = trainer(out / "fsdp_value", 4, [by_value], data_parallel="fsdp", enable_checkpointing=False,
+                gradient_clip_val=VALUE, gradient_clip_algorithm="value")
+    t.fit(model(), DataLoader(dataset(), batch_size=BATCH))
+    result["value"] = by_value.train
+    if rank == 0:
+        result["value_reference"] = reference(lambda ps: torch.nn.utils.clip_grad_value_(ps, VALUE))["train"]
     return result
 
 

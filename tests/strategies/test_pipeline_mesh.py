@@ -90,3 +90,4 @@ def test_stages_sharded_over_two_replicas_with_fsdp_train_as_one_process(tmp_pat
     # resume from the sharded run's epoch-0 checkpoint: bitwise the same steps, sharded or replicated
     assert r0["resumed"] == r0["train_False"][2:]
     assert r0["resumed_ddp"] == pytest.approx(r0["train_False"][2:], rel=1e-6)
+    assert r0["value"] == pytest.approx(r0["value_reference"], rel=1e-5, abs=1e-6)  # clipping by value, on shards
