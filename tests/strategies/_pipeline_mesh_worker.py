@@ -6,6 +6,7 @@
 PHASE ``mesh``: 4 ranks, ``pipeline_parallel_size=2`` (2 replicas): a fit with global-norm clipping, the same
 fit resumed from its step-2 checkpoint, and (rank 0) the single-process reference over the same global batches.
 PHASE ``fsdp``: 4 ranks, the stages sharded over the 2 replicas (FSDP2), with a tied head.
+PHASE ``kill``: 4 ranks, rank 3 exits at step 1; the others must fail, not hang.
 PHASE ``one_replica``: 2 ranks (1 replica) validate the step-2 checkpoint of the 2-replica run.
 """
 
@@ -171,6 +172,24 @@ def fsdp(out: Path, rank: int) -> dict:
     return result
 
 
+class DieAtStep(Callback):
+    """Rank 3 (the last stage of replica 1) exits abruptly at the start of step 1."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 1 and trainer.global_rank == 3:
+            os._exit(17)
+
+
+def kill(out: Path, rank: int) -> dict:
+    t = pl.Trainer(
+        accelerator="cpu", devices=4, max_epochs=EPOCHS, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[DieAtStep()], enable_checkpointing=False,
+        strategy=MemkitPipelineStrategy(microbatches=2, timeout=10, pipeline_parallel_size=2),
+    )
+    t.fit(model(), DataLoader(dataset(), batch_size=BATCH))
+    return {"finished": True}  # not reached on any rank: the others fail once rank 3 is gone
+
+
 def one_replica(out: Path, rank: int) -> dict:
     t = trainer(out / "one", 2, [])
     val = t.validate(model(), DataLoader(dataset(), batch_size=BATCH * REPLICAS),
@@ -181,7 +200,7 @@ def one_replica(out: Path, rank: int) -> dict:
 def main() -> None:
     out, phase = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["LOCAL_RANK"])
-    result = {"mesh": mesh, "fsdp": fsdp, "one_replica": one_replica}[phase](out, rank)
+    result = {"mesh": mesh, "fsdp": fsdp, "kill": kill, "one_replica": one_replica}[phase](out, rank)
     (out / f"{phase}_rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -91,3 +91,27 @@ def test_stages_sharded_over_two_replicas_with_fsdp_train_as_one_process(tmp_pat
     assert r0["resumed"] == r0["train_False"][2:]
     assert r0["resumed_ddp"] == pytest.approx(r0["train_False"][2:], rel=1e-6)
     assert r0["value"] == pytest.approx(r0["value_reference"], rel=1e-5, abs=1e-6)  # clipping by value, on shards
+
+
+@pytest.mark.slow
+def test_a_killed_rank_makes_every_other_rank_fail_within_the_timeout(tmp_path):
+    """Rank 3 exits at step 1 (timeout=10 s): ranks 0-2 raise instead of hanging, within the timeout and start-up."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path), "kill"],
+            env=dict(os.environ, LOCAL_RANK=str(r), NODE_RANK="0", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port), PYTHONPATH=PYPATH, OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(4)
+    ]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("a rank hung after rank 3 died")
+    assert codes[3] == 17
+    assert all(code not in (0, None) for code in codes[:3]), codes
+    assert not any((tmp_path / f"kill_rank{r}.json").exists() for r in range(4))
