@@ -334,6 +334,30 @@ class _FusedTail(nn.Module):
         return self.body(*args)
 
 
+def _check_arguments(layers: list[Any], partition: Any, loss_fn: Any, fused_head: bool, group: Any) -> None:
+    """Every argument of :class:`PipelineRuntime` checked before it touches anything."""
+    if not isinstance(partition, Partition):
+        raise TypeError(f"partition must be a Partition, got {type(partition).__name__}")
+    if len(layers) != partition.boundaries[-1]:
+        raise ValueError(f"partition covers {partition.boundaries[-1]} layers, but {len(layers)} were given")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"layers[{i}] must be a torch.nn.Module, got {type(layer).__name__}")
+    if loss_fn is None and not fused_head:
+        raise ValueError("loss_fn is required (or fused_head=True)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if fused_head and not isinstance(layers[-1], nn.Linear):
+        got = type(layers[-1]).__name__
+        raise TypeError(f"fused_head=True needs the last layer to be an nn.Linear head, got {got}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("PipelineRuntime needs an initialized process group (torch.distributed.init_process_group)")
+    world = dist.get_world_size(group)
+    if world != partition.num_ranks:
+        raise ValueError(f"partition is for {partition.num_ranks} ranks, but the process group has {world}")
+    check_microbatches(partition.schedule, partition.num_stages, partition.microbatches, world)
+
+
 class PipelineRuntime:
     """This rank's share of a pipeline: stage modules, ``PipelineStage`` objects and the schedule.
 
@@ -364,33 +388,12 @@ class PipelineRuntime:
         fused_head: bool = False,
         prepare: Callable[[PipelineRuntime], None] | None = None,
     ):
-        if not isinstance(partition, Partition):
-            raise TypeError(f"partition must be a Partition, got {type(partition).__name__}")
         layers = list(layers)
-        if len(layers) != partition.boundaries[-1]:
-            raise ValueError(f"partition covers {partition.boundaries[-1]} layers, but {len(layers)} were given")
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, nn.Module):
-                raise TypeError(f"layers[{i}] must be a torch.nn.Module, got {type(layer).__name__}")
-        if loss_fn is None and not fused_head:
-            raise ValueError("loss_fn is required (or fused_head=True)")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "PipelineRuntime needs an initialized process group (torch.distributed.init_process_group)"
-            )
         self.group = group if group is not None else dist.group.WORLD
-        world = dist.get_world_size(self.group)
-        if world != partition.num_ranks:
-            raise ValueError(f"partition is for {partition.num_ranks} ranks, but the process group has {world}")
+        _check_arguments(layers, partition, loss_fn, fused_head, self.group)
+        cls = schedule_class(partition.schedule)
         self.schedule_name = partition.schedule
-        cls = schedule_class(self.schedule_name)
-        check_microbatches(self.schedule_name, partition.num_stages, partition.microbatches, world)
         self.ties = tied_parameters(layers, partition)
-        head = layers[-1]
-        if fused_head and not isinstance(head, nn.Linear):
-            raise TypeError(f"fused_head=True needs the last layer to be an nn.Linear head, got {type(head).__name__}")
         self.partition = partition
         self.rank = dist.get_rank(self.group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -403,45 +406,53 @@ class PipelineRuntime:
         self.holds_first = 0 in self.stage_indices
         self.holds_last = last_stage in self.stage_indices
         self._last_rank = dist.get_global_rank(self.group, partition.stage_ranks[last_stage])
+        self._fused = fused_head_loss(layers[-1]) if fused_head and self.holds_last else None
+        self._batch_loss = loss_fn if isinstance(loss_fn, BatchLoss) and not fused_head else None
+        self.modules = self._stage_modules(layers)  # built before anything is moved: nothing half-applied on error
+        if release_remote:
+            self._release_remote(layers)
+        for m in self.modules:
+            m.to(self.device)
+        if prepare is not None:  # e.g. shard the stage modules over data-parallel replicas before torch's stages
+            prepare(self)
+        self._grad_scale = 1.0
+        self._raw: list[torch.Tensor] = []
+        self._train_shapes: list[tuple] | None = None
+        self.stages, self.schedule = self._schedule(cls)
 
-        # build every local module before touching anything (nothing half-applied on error)
+    def _release_remote(self, layers: list[nn.Module]) -> None:
+        """Other ranks' layers go to ``meta`` (their storage is freed); a parameter a local layer shares stays."""
+        local = set(self.layer_indices)
+        keep = {id(p) for i in local for p in layers[i].parameters()}
+        for i, layer in enumerate(layers):
+            if i not in local:
+                release_to_meta(layer, keep)
+
+    def _stage_modules(self, layers: list[nn.Module]) -> list[nn.Module]:
+        """One module per local stage: a ``LayerChain`` of its layers (the fused tail for the last, if fused)."""
+        last_stage = self.partition.num_stages - 1
         modules: list[nn.Module] = []
         for s in self.stage_indices:
-            body = [layers[i] for i in partition.layers_of_stage(s)]
-            if fused_head and s == last_stage:
+            body = [layers[i] for i in self.partition.layers_of_stage(s)]
+            if self.fused_head and s == last_stage:
                 modules.append(_FusedTail(LayerChain(*body[:-1]), body[-1]))
             else:
                 modules.append(LayerChain(*body))
                 modules[-1].sends = s != last_stage
-        self._fused = fused_head_loss(head) if fused_head and self.holds_last else None
-        self._batch_loss = loss_fn if isinstance(loss_fn, BatchLoss) and not fused_head else None
+        return modules
+
+    def _schedule(self, cls: type) -> tuple[list[Any], Any]:
+        """torch's ``PipelineStage`` for each local stage module, and the schedule that runs them."""
         from torch.distributed.pipelining import PipelineStage
 
-        local = set(self.layer_indices)
-        if release_remote:
-            keep = {id(p) for i in local for p in layers[i].parameters()}
-            for i, layer in enumerate(layers):
-                if i not in local:
-                    release_to_meta(layer, keep)
-        for m in modules:
-            m.to(self.device)
-        self.modules = modules
-        if prepare is not None:  # e.g. shard the stage modules over data-parallel replicas before torch's stages
-            prepare(self)
-        self.stages = [
-            PipelineStage(m, stage_index=s, num_stages=partition.num_stages, device=self.device, group=self.group)
-            for m, s in zip(modules, self.stage_indices)
+        part = self.partition
+        stages = [
+            PipelineStage(m, stage_index=s, num_stages=part.num_stages, device=self.device, group=self.group)
+            for m, s in zip(self.modules, self.stage_indices)
         ]
-        self._grad_scale = 1.0
-        self._raw: list[torch.Tensor] = []
-        self._train_shapes: list[tuple] | None = None
-        single = partition.stages_per_rank == 1
-        self.schedule = cls(
-            self.stages[0] if single else self.stages,
-            partition.microbatches,
-            loss_fn=self._loss,
-            scale_grads=False,
-        )
+        schedule = cls(stages[0] if part.stages_per_rank == 1 else stages, part.microbatches, loss_fn=self._loss,
+                       scale_grads=False)
+        return stages, schedule
 
     # -- running -------------------------------------------------------------------------------------------
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
