@@ -48,18 +48,55 @@ __all__ = ["ActivationCheckpointing", "AUTO"]
 
 AUTO = "auto"
 
-_OWN_POLICY = {
-    "FSDPStrategy": "FSDPStrategy(activation_checkpointing_policy={...})",
-    "ModelParallelStrategy": "torch.distributed checkpoint_wrapper inside LightningModule.configure_model",
-    "DeepSpeedStrategy": "DeepSpeedStrategy(partition_activations=..., cpu_checkpointing=...)",
-}
+_OWN_POLICY = {"DeepSpeedStrategy": "DeepSpeedStrategy(partition_activations=..., cpu_checkpointing=...)"}
+_SHARDED = ("FSDPStrategy", "ModelParallelStrategy")  # recompute runs inside their units; no budget planning
+_WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
 def _strategy_kind(strategy: Any) -> str | None:
     for cls in type(strategy).__mro__:
-        if cls.__name__ in _OWN_POLICY:
+        if cls.__name__ in _OWN_POLICY or cls.__name__ in _SHARDED:
             return cls.__name__
     return None
+
+
+def _clean_name(name: str) -> str:
+    """``blocks.0._fsdp_wrapped_module`` -> ``blocks.0``: the name the module has without the FSDP1 wrappers."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
+
+
+def _unit_kinds() -> tuple[type, ...]:
+    """The module classes that make an FSDP unit: FSDP1 ``FullyShardedDataParallel`` and FSDP2 ``FSDPModule``."""
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return (FullyShardedDataParallel, FSDPModule)
+
+
+def _unwrap_fsdp(name: str, module: nn.Module) -> tuple[str, nn.Module]:
+    """An FSDP1 unit stands for the module it wraps: recompute runs inside it, after its parameters are gathered."""
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        while isinstance(module, FullyShardedDataParallel):
+            name, module = f"{name}._fsdp_wrapped_module" if name else "_fsdp_wrapped_module", module.module
+    return name, module
+
+
+def _self_recomputing(model: nn.Module) -> list[str]:
+    """Names of the modules wrapped in torch's ``CheckpointWrapper`` (``FSDPStrategy(activation_checkpointing_
+    policy=...)``, ``apply_activation_checkpointing`` or ``checkpoint_wrapper`` in ``configure_model``)."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return [name for name, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+
+
+def _related(a: str, b: str) -> bool:
+    """Whether module ``a`` is ``b``, inside it or around it (qualified names; ``""`` is the root)."""
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -99,9 +136,14 @@ class ActivationCheckpointing(Callback):
     nested matches are covered by their outermost match. Each chosen module's
     ``forward`` is wrapped with non-reentrant :func:`torch.utils.checkpoint.checkpoint` at ``on_fit_start``
     and restored at ``teardown`` (or on an exception); module names and ``state_dict`` keys never change,
-    so checkpoints load with or without this callback. Works on one device and under DDP; FSDP, model
-    parallel and DeepSpeed have their own activation checkpointing, and asking for this one there is an error,
-    as is a model whose layers already recompute themselves (HF ``activation_checkpointing_enable()``).
+    so checkpoints load with or without this callback. Works on one device, under DDP, and under
+    ``FSDPStrategy`` and ``ModelParallelStrategy`` (``fully_shard`` in ``configure_model``): ``on_fit_start``
+    runs after the model is wrapped, and the recompute sits inside each FSDP unit (an FSDP1-wrapped block
+    stands for the module it wraps; a ``fully_shard``-ed block keeps its hooks outside the recompute), so
+    the weights are gathered before it runs. A chosen module that contains an FSDP unit, ``budget_bytes``
+    and ``offload`` are refused there, as is ``FSDPStrategy(activation_checkpointing_policy=...)`` together
+    with this callback. DeepSpeed has its own activation checkpointing and is refused, as is a model whose
+    layers already recompute themselves (HF ``activation_checkpointing_enable()``, torch's ``checkpoint_wrapper``).
 
     During fit the model's KV cache is off: every ``transformers`` config in the model with ``use_cache=True``
     gets ``use_cache=False`` at ``on_fit_start`` (one info line) and ``True`` again at teardown. A cache
@@ -166,15 +208,39 @@ class ActivationCheckpointing(Callback):
         if stage != "fit":
             return
         kind = _strategy_kind(trainer.strategy)
-        if kind is not None:
+        if kind in _OWN_POLICY:
             raise ValueError(
                 f"ActivationCheckpointing does not run under {kind}, which checkpoints activations itself: use "
                 f"{_OWN_POLICY[kind]} with policy {describe_policy(self.policy)} and remove this callback"
             )
+        if kind in _SHARDED:
+            self._check_sharded(trainer, kind)
         if self.budget_bytes is not None and not pl_module.automatic_optimization:
             raise ValueError(
                 "ActivationCheckpointing(budget_bytes=...) profiles a training_step outside the loop and needs "
                 "automatic optimization; with manual optimization pass budget_bytes=None"
+            )
+
+    def _check_sharded(self, trainer: Trainer, kind: str) -> None:
+        """What cannot run under FSDPStrategy / ModelParallelStrategy, refused before the model is sharded."""
+        if self.budget_bytes is not None:
+            raise ValueError(
+                f"ActivationCheckpointing(budget_bytes={self.budget_bytes}) plans on one device and does not run "
+                f"under {kind}: its planning runs would step outside the sharded forward/backward. Pass "
+                "budget_bytes=None (recompute every policy match) or plan on one device first and pass those "
+                "layers' class as policy"
+            )
+        if self.offload:
+            raise ValueError(
+                f"ActivationCheckpointing(offload=True) does not run under {kind}: save_on_cpu would also copy "
+                "each gathered (unsharded) weight saved for backward to host memory. Use the strategy's own CPU "
+                "offload (FSDPStrategy(cpu_offload=True), fully_shard(offload_policy=CPUOffloadPolicy())) and "
+                "offload=False"
+            )
+        if getattr(trainer.strategy, "_activation_checkpointing_kwargs", None):
+            raise ValueError(
+                "FSDPStrategy(activation_checkpointing_policy=...) already recomputes layers; use either it or "
+                "ActivationCheckpointing, not both"
             )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -235,7 +301,11 @@ class ActivationCheckpointing(Callback):
 
     # -- work --------------------------------------------------------------------------------------
     def _select(self, pl_module: LightningModule) -> list[tuple[str, nn.Module]]:
-        """The candidate modules; raises when nothing matches or when they already recompute themselves."""
+        """The candidate modules; raises when nothing matches or when they already recompute themselves.
+
+        Names are those of the unwrapped model (``blocks.0``, also under ``FSDPStrategy``); an FSDP1 unit
+        chosen (``policy="auto"`` finds the ``ModuleList`` of wrapped blocks) stands for the module it wraps.
+        """
         if self.policy != AUTO:
             chosen = select_modules(pl_module, self.policy)  # raises, listing the classes, when nothing matches
         else:
@@ -246,14 +316,36 @@ class ActivationCheckpointing(Callback):
                     "decoder layers (transformers GradientCheckpointingLayer) nor an nn.ModuleList of same-class "
                     "blocks; pass policy= with the module classes to recompute"
                 )
-        own = [name for name, m in chosen if getattr(m, "gradient_checkpointing", False) is True]
+        chosen = [_unwrap_fsdp(name, m) for name, m in chosen]
+        wrapped = _self_recomputing(pl_module)
+        own = [name for name, m in chosen if getattr(m, "gradient_checkpointing", False) is True
+               or any(_related(name, w) for w in wrapped)]
         if own:
+            own = [_clean_name(name) for name in own]
             raise ValueError(
                 f"{len(own)} chosen layers ({', '.join(own[:3])}{', ...' if len(own) > 3 else ''}) already recompute "
-                "themselves (Hugging Face activation_checkpointing_enable() or gradient_checkpointing_enable()); "
-                "call model.activation_checkpointing_disable() or remove ActivationCheckpointing"
+                "themselves (Hugging Face activation_checkpointing_enable() or gradient_checkpointing_enable(), or "
+                "torch's checkpoint_wrapper: FSDPStrategy(activation_checkpointing_policy=...), "
+                "apply_activation_checkpointing in configure_model); remove that or ActivationCheckpointing"
             )
-        return chosen
+        self._check_units(chosen)
+        return [(_clean_name(name), m) for name, m in chosen]
+
+    @staticmethod
+    def _check_units(chosen: list[tuple[str, nn.Module]]) -> None:
+        """Refuse a chosen module that holds an FSDP unit: the recompute must run inside the units, not around."""
+        kinds = _unit_kinds()
+        if not kinds:
+            return
+        for name, module in chosen:
+            inner = next((sub for sub, m in module.named_modules() if sub and isinstance(m, kinds)), None)
+            if inner is not None:
+                raise ValueError(
+                    f"ActivationCheckpointing would recompute {_clean_name(name) or 'the whole model'} "
+                    f"({type(module).__name__}), which contains the FSDP unit {_clean_name(inner)}: recompute must run "
+                    "inside FSDP units, after they have gathered their weights. Pass policy= with the classes of the "
+                    "sharded blocks or of modules inside them"
+                )
 
     def _cache_off(self, pl_module: LightningModule) -> None:
         stack = contextlib.ExitStack()

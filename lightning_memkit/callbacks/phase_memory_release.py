@@ -51,6 +51,7 @@ class PhaseReleaseResult:
     peak_bytes: int | None
     report: ReferrerReport | None = None
     grad_bytes: int = 0  # gradient storage freed by dropping the parameters' ``.grad``
+    unsharded_bytes: int = 0  # gathered (unsharded) FSDP parameters freed by resharding
 
 
 def drop_model_log_refs(callbacks: Iterable[Callback], pl_module: LightningModule) -> int:
@@ -75,6 +76,50 @@ def _keys(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {storage_key(t) for t in tensors if has_storage(t)}
 
 
+def _reshard(model: torch.nn.Module) -> int:
+    """Reshard every FSDP unit still holding its gathered parameters; returns the bytes that this freed.
+
+    FSDP keeps the root unit gathered after a forward without backward (validation, a no-grad call), and
+    ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")`` keeps every unit gathered after forward. The next
+    forward gathers again; the shards themselves are not touched.
+    """
+    if not torch.distributed.is_available():
+        return 0
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    units = [m for m in model.modules() if isinstance(m, (FSDPModule, FullyShardedDataParallel))]
+    if not units:
+        return 0
+    # FSDP2 puts its gathered parameters on the modules; FSDP1 keeps them in each handle's padded flat buffer
+    handles = [u._handle for u in units if isinstance(u, FullyShardedDataParallel) and u._handle is not None]
+    gathered = [h for h in handles if h.uses_sharded_strategy and not h.needs_unshard()]
+    before = _storage_refs([*model.parameters(), *(h._get_padded_unsharded_flat_param() for h in gathered)], skip=set())
+    for unit in units:
+        if isinstance(unit, FSDPModule):
+            unit.reshard()  # not recursive; a no-op on a sharded unit
+        elif unit._handle in gathered:
+            from torch.distributed.fsdp._runtime_utils import _reshard as reshard_handle
+
+            reshard_handle(unit, unit._handle, free_unsharded_flat_param=True)
+    after = {key: ref() for key, (ref, _n) in before.items()}
+    return sum(n - (after[key].nbytes() if after[key] is not None else 0) for key, (_ref, n) in before.items())
+
+
+def _grad_holders(model: torch.nn.Module, pl_module: LightningModule) -> list[torch.Tensor]:
+    """The tensors whose ``.grad`` a finished fit leaves: the parameters and, under ``FSDPStrategy``, each FSDP
+    unit's ``FlatParameter`` (with ``use_orig_params=True`` no parameter of the model, yet it holds the gradient
+    shard that the parameters' ``.grad`` are views of)."""
+    holders: dict[int, torch.Tensor] = {id(p): p for p in [*pl_module.parameters(), *model.parameters()]}
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        for module in model.modules():
+            flat = getattr(module, "_flat_param", None) if isinstance(module, FullyShardedDataParallel) else None
+            if flat is not None:
+                holders.setdefault(id(flat), flat)
+    return list(holders.values())
+
+
 class PhaseMemoryRelease(Callback):
     """Release what a finished phase keeps alive, measure what is left, and name who holds it.
 
@@ -87,7 +132,11 @@ class PhaseMemoryRelease(Callback):
        reference to the predictions (the list returned to you is untouched), and the ``log``/``log_dict``
        bound methods of the model that Lightning attaches to every callback (it attaches them again at the
        next run), which would otherwise keep the model alive as long as any callback. Lightning itself already
-       unwraps DDP and moves logged/callback metrics and loop results to CPU at the end of a phase;
+       unwraps DDP and moves logged/callback metrics and loop results to CPU at the end of a phase. Under
+       ``FSDPStrategy`` and ``ModelParallelStrategy`` (``fully_shard``) every FSDP unit still holding its
+       gathered weights is resharded first (FSDP keeps the root unit gathered after a forward without
+       backward, such as a final validation; ``SHARD_GRAD_OP`` keeps every unit gathered), and the
+       gradient shards go too (FSDP1's ``FlatParameter`` gradients included); the parameter shards stay;
     3. garbage is collected and cached allocator blocks go back to the driver
        (:func:`~lightning_memkit.memory.empty_device_cache`);
     4. with ``measure=True`` the bytes still alive from that phase are read from a
@@ -101,6 +150,9 @@ class PhaseMemoryRelease(Callback):
     ``ckpt_path=`` restores their state. A checkpoint written *after* a released fit would hold no
     optimizer state, so ``trainer.save_checkpoint`` then raises unless ``weights_only=True``: save during
     fit (``ModelCheckpoint``) instead. Nothing here holds the model or the trainer.
+
+    Byte counts are this rank's: a ``DTensor`` (FSDP2 parameters, gradients, optimizer state) counts its
+    local shard.
 
     ``measure=True`` routes every tensor op of the phase through a ``TorchDispatchMode`` (a Python call per
     op); use ``measure=False`` to only release.
@@ -192,8 +244,14 @@ class PhaseMemoryRelease(Callback):
         del optimizers
         strategy.optimizers = []
         strategy.lr_scheduler_configs = []
-        grads = _storage_refs([p.grad for p in pl_module.parameters() if p.grad is not None], skip=set())
+        model = strategy.model if strategy.model is not None else pl_module
+        unsharded = _reshard(model)  # FSDP2 puts the sharded parameters (and their .grad) back on the modules
+        holders = _grad_holders(model, pl_module)
+        grads = _storage_refs([p.grad for p in holders if p.grad is not None], skip=set())
         pl_module.zero_grad(set_to_none=True)
+        for p in holders:
+            p.grad = None  # FSDP's FlatParameters too: the parameters' gradients are views into theirs
+        del holders
         drop_model_log_refs(trainer.callbacks, pl_module)
         if stage == "predict":
             loop = trainer.predict_loop
@@ -203,7 +261,8 @@ class PhaseMemoryRelease(Callback):
         grad_bytes = sum(n for ref, n in grads.values() if ref() is None)
         live = self._live
         if live is None:
-            return PhaseReleaseResult(stage, freed, cache, None, None, grad_bytes=grad_bytes)
+            return PhaseReleaseResult(stage, freed, cache, None, None, grad_bytes=grad_bytes, unsharded_bytes=unsharded)
+        live.refresh_sizes()  # FSDP frees its unsharded parameters with resize_(0), which no op reports
         owned = _keys([*pl_module.parameters(), *pl_module.buffers()])
         owned |= _keys(tensors_in(self._data_holders(trainer), max_depth=6))
         retained = {k: n for k, n, _dev, _tag in live.live_storages() if k not in owned}
@@ -213,7 +272,7 @@ class PhaseMemoryRelease(Callback):
             tensors = tensors_with_storages(retained)
             report = find_referrers(tensors, min_bytes=self.min_report_bytes, ignore=[self, live])
             del tensors
-        return PhaseReleaseResult(stage, freed, cache, retained_bytes, live.peak_bytes, report, grad_bytes)
+        return PhaseReleaseResult(stage, freed, cache, retained_bytes, live.peak_bytes, report, grad_bytes, unsharded)
 
     @staticmethod
     def _data_holders(trainer: Trainer) -> list[Any]:
@@ -230,7 +289,8 @@ class PhaseMemoryRelease(Callback):
         summary = (
             f"PhaseMemoryRelease after {result.stage}: optimizer state {result.optimizer_state_bytes} bytes freed, "
             f"gradients {result.grad_bytes} bytes freed, "
-            f"device cache {result.device_cache_bytes} bytes returned"
+            + (f"gathered FSDP weights {result.unsharded_bytes} bytes freed, " if result.unsharded_bytes else "")
+            + f"device cache {result.device_cache_bytes} bytes returned"
             + (f", {retained} bytes still alive from the phase" if retained is not None else "")
         )
         log.info(summary)
@@ -249,8 +309,10 @@ class PhaseMemoryRelease(Callback):
         if not self.results:
             return (f"PhaseMemoryRelease: nothing released yet (it releases when {', '.join(self.after)} ends, at "
                     "teardown: after the end-of-fit report; see .results then)")
-        parts = [f"after {r.stage}: {r.optimizer_state_bytes + r.grad_bytes:,} bytes freed (optimizer state "
-                 f"{r.optimizer_state_bytes:,}, gradients {r.grad_bytes:,}), device cache {r.device_cache_bytes:,} "
+        parts = [f"after {r.stage}: {r.optimizer_state_bytes + r.grad_bytes + r.unsharded_bytes:,} bytes freed "
+                 f"(optimizer state {r.optimizer_state_bytes:,}, gradients {r.grad_bytes:,}"
+                 + (f", gathered FSDP weights {r.unsharded_bytes:,}" if r.unsharded_bytes else "")
+                 + f"), device cache {r.device_cache_bytes:,} "
                  "bytes returned" + ("" if r.retained_bytes is None else f", {r.retained_bytes:,} bytes still alive")
                  for r in self.results]
         return "PhaseMemoryRelease: " + "; ".join(parts)

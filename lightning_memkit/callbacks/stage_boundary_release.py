@@ -4,7 +4,8 @@
 ``on_train_batch_start`` and closes it at ``on_train_batch_end`` (or on an exception), so the
 :func:`~lightning_memkit.memory.stage_boundary` marks in the model act during the forward and backward
 of each training step and nowhere else (validation, prediction and the model's use outside the Trainer
-are unchanged).
+are unchanged). Under ``FSDPStrategy`` and ``ModelParallelStrategy`` (``fully_shard``) it runs unchanged:
+the marked tensors are activations of each rank's own forward, and the bytes counted are that rank's.
 
 Example::
 

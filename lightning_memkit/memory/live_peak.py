@@ -196,8 +196,8 @@ class LivePeak:
     def refresh_sizes(self) -> int:
         """Re-read the size of every tracked storage and return the change in live bytes.
 
-        Storages shrunk outside an op (``untyped_storage().resize_(0)``, as FSDP frees its unsharded
-        parameters after use) are otherwise still counted at their old size; the peak is left as it was.
+        Storages resized outside an op (``untyped_storage().resize_(0)``, as FSDP frees its gathered
+        parameters) are otherwise still counted at their old size. A shrink never lowers the peak.
         """
         with self._lock:
             before = self.live_bytes

@@ -63,10 +63,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor that holds ``t``'s memory on this process: a ``DTensor``'s local shard (any wrapper subclass
     with exactly one inner tensor), else ``t`` itself. A wrapper's own storage has no data and the global size."""
     while type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
-        inner, _ctx = t.__tensor_flatten__()
+        names, _ctx = t.__tensor_flatten__()
+        inner = [x for x in (getattr(t, name) for name in names) if isinstance(x, torch.Tensor)]
         if len(inner) != 1:
             break
-        t = getattr(t, inner[0])
+        t = inner[0]
     return t
 
 

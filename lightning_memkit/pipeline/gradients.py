@@ -72,6 +72,7 @@ def average_gradients(params: Iterable[torch.Tensor], group=None, *, bucket_byte
         for g in bucket:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        del flat  # before the next bucket's buffer exists: one flat buffer at a time
 
 
 def sum_gradients(params: Iterable[torch.Tensor], group=None) -> None:
@@ -115,7 +116,7 @@ def clip_global_norm(
         device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:  # a sharded gradient adds its own shard: the group then sums the shards of every rank
-        squares += local(g).detach().float().pow(2).sum().to(device)
+        squares += torch.linalg.vector_norm(local(g).detach(), dtype=torch.float32).square().to(device)
     if _distributed(group):
         dist.all_reduce(squares, group=group)
     norm = squares.sqrt()

@@ -304,6 +304,7 @@ def measure_pipeline_costs(
         param_bytes=static.param_bytes,
         grad_bytes=static.grad_bytes,
         optimizer_bytes=static.optimizer_bytes,
+        largest_grad_bytes=static.largest_grad_bytes,
         activation_bytes=costs[-1].activation_bytes,
         workspace_bytes=costs[-1].workspace_bytes,
         saves_input=True,  # the hidden states stay alive for the fused loss's backward

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.pipelining import schedules as S
 
@@ -11,6 +15,7 @@ from lightning_memkit.memory import LivePeak
 from lightning_memkit.pipeline import (
     LayerCost,
     as_layer_costs,
+    gradients,
     inflight_microbatches,
     measure_layer_costs,
     optimizer_state_bytes,
@@ -18,6 +23,7 @@ from lightning_memkit.pipeline import (
     stage_to_rank,
     static_cost,
 )
+from lightning_memkit.pipeline.cost import allreduce_buffer_bytes
 
 CLASSES = {
     "gpipe": S.ScheduleGPipe,
@@ -143,7 +149,60 @@ def test_static_cost_counts_parameters_buffers_gradients():
     buffers = sum(b.numel() * b.element_size() for b in m.buffers())
     trainable = sum(p.numel() * 4 for p in m.parameters() if p.requires_grad)
     assert (c.param_bytes, c.grad_bytes, c.optimizer_bytes) == (params + buffers, trainable, trainable)
+    assert c.largest_grad_bytes == 4 * 3 * 4  # the Linear weight; its frozen bias and the norm's 3-vectors are smaller
     assert static_cost(m, None).optimizer_bytes == 0
+    assert static_cost(nn.Linear(4, 3).requires_grad_(False)).largest_grad_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "numels, bucket, expected",
+    [
+        ([10, 30, 20], 2**20, 240),  # every gradient in one bucket: the rank's gradient bytes
+        ([10, 100, 10], 200, 400),  # a gradient larger than the bucket, alone
+        ([30, 30, 60], 240, 240),   # full buckets of 240 bytes: one flat buffer alive at a time
+    ],
+)
+def test_allreduce_buffer_is_the_largest_flat_buffer_average_gradients_allocates(monkeypatch, numels, bucket, expected):
+    """Two replicas simulated in one process (the all-reduce itself is a no-op): LivePeak sees only the flat buffers."""
+    monkeypatch.setattr(gradients, "_distributed", lambda group: True)
+    monkeypatch.setattr(gradients, "dist", types.SimpleNamespace(get_world_size=lambda group: 2,
+                                                                   all_reduce=lambda t, group=None: None))
+    params = [nn.Parameter(torch.zeros(n)) for n in numels]
+    for p in params:
+        p.grad = torch.full_like(p, 4.0)
+    grad_bytes, largest = 4 * sum(numels), 4 * max(numels)
+    predicted = allreduce_buffer_bytes(grad_bytes, largest, data_parallel_size=2, bucket_bytes=bucket)
+    assert predicted == expected
+    assert allreduce_buffer_bytes(grad_bytes, largest, data_parallel_size=1, bucket_bytes=bucket) == 0
+    with LivePeak() as lp:
+        gradients.average_gradients(params, bucket_bytes=bucket)
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in params)  # averaged in place over "2 replicas"
+    assert lp.live_bytes == 0
+    assert lp.peak_bytes == predicted
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=12), st.integers(1, 200))
+def test_allreduce_buffer_bounds_the_buckets_and_is_exact_when_one_bucket_or_one_gradient_dominates(numels, bucket):
+    grads = [torch.empty(n) for n in numels]
+    largest_bucket = max(sum(4 * t.numel() for t in b) for b in gradients._buckets(grads, bucket))
+    total, largest = 4 * sum(numels), 4 * max(numels)
+    predicted = allreduce_buffer_bytes(total, largest, data_parallel_size=3, bucket_bytes=bucket)
+    if total <= bucket or largest >= bucket:
+        assert predicted == largest_bucket
+    else:
+        assert largest_bucket <= predicted < largest_bucket + largest
+
+
+def test_allreduce_buffer_validation():
+    with pytest.raises(ValueError, match=r"allreduce_buffer_bytes\(data_parallel_size=0\): must be an int >= 1"):
+        allreduce_buffer_bytes(8, data_parallel_size=0)
+    with pytest.raises(ValueError, match=r"allreduce_buffer_bytes\(bucket_bytes=0\): must be an int >= 1"):
+        allreduce_buffer_bytes(8, data_parallel_size=2, bucket_bytes=0)
+    with pytest.raises(ValueError, match=r"allreduce_buffer_bytes\(largest_grad_bytes=9\) exceeds grad_bytes=8"):
+        allreduce_buffer_bytes(8, 9, data_parallel_size=2)
+    with pytest.raises(ValueError, match=r"LayerCost\(largest_grad_bytes=9\) exceeds grad_bytes=8"):
+        LayerCost(grad_bytes=8, largest_grad_bytes=9)
+    assert allreduce_buffer_bytes(0, data_parallel_size=4) == 0  # no gradients, nothing to reduce
 
 
 def _mlp() -> list[nn.Module]:

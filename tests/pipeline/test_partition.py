@@ -91,6 +91,63 @@ def test_stage_cost_counts_receive_buffers_and_kept_outputs():
     assert gpipe.stage_peak_bytes == (3 * 100 + 3 * 100, 3 * 100 + 3 * 1)
 
 
+def test_replicas_add_the_allreduce_buffer_where_it_exceeds_activations_and_workspace():
+    """dp > 1: a stage peaks at static + buffers + max(activations + workspace, all-reduce buffer)."""
+    acts = LayerCost(activation_bytes=300)
+    grads = LayerCost(grad_bytes=200, largest_grad_bytes=100)
+    costs = [acts, grads, grads, LayerCost(activation_bytes=10)]
+    kw = {"schedule": "gpipe", "microbatches": 1}
+    alone = partition_layers(costs, 2, **kw)
+    assert (alone.sizes, alone.predicted_peak_bytes, alone.data_parallel_size) == ((1, 3), (300, 410), 1)
+    assert partition_layers(costs, 2, data_parallel_size=1, **kw) == alone
+    # two replicas: the last stage of (1, 3) also holds a 400-byte buffer of its 400 gradient bytes at the step
+    assert evaluate_partition(costs, [1, 3], data_parallel_size=2, **kw).predicted_peak_bytes == (300, 800)
+    two = partition_layers(costs, 2, data_parallel_size=2, **kw)
+    assert (two.sizes, two.predicted_peak_bytes, two.data_parallel_size) == ((2, 2), (500, 400), 2)
+    # 150-byte buckets: the buffer is one bucket; 50-byte buckets: the largest gradient (100 bytes) goes alone
+    small = evaluate_partition(costs, [1, 3], data_parallel_size=2, bucket_bytes=150, **kw)
+    assert small.predicted_peak_bytes == (300, 400 + 150)
+    assert evaluate_partition(costs, [1, 3], data_parallel_size=2, bucket_bytes=50, **kw).predicted_peak_bytes == (
+        300, 400 + 100)
+    assert uniform_partition(costs, 2, data_parallel_size=2, bucket_bytes=150, **kw) == evaluate_partition(
+        costs, [2, 2], data_parallel_size=2, bucket_bytes=150, method="uniform", **kw)
+
+
+def test_allreduce_buffer_comes_on_top_of_the_boundary_buffers():
+    costs = [LayerCost(grad_bytes=40, largest_grad_bytes=40, output_bytes=5),
+             LayerCost(grad_bytes=40, largest_grad_bytes=40, activation_bytes=1)]
+    kw = {"schedule": "gpipe", "microbatches": 2}
+    # stage 0: 40 static + 2 x 5 gradient buffers + max(2 in flight x own output 5, 40); stage 1: 40 + 2 x 5
+    # input buffers + max(2 x 1, 40)
+    assert evaluate_partition(costs, [1, 1], **kw).stage_peak_bytes == (40 + 10 + 10, 40 + 10 + 2)
+    assert evaluate_partition(costs, [1, 1], data_parallel_size=4, **kw).stage_peak_bytes == (90, 90)
+
+
+@st.composite
+def replicated_problems(draw):
+    costs = []
+    for _ in range(draw(st.integers(2, 8))):
+        grad = draw(st.integers(0, 80))
+        costs.append(LayerCost(param_bytes=draw(st.integers(0, 60)), grad_bytes=grad,
+                               largest_grad_bytes=draw(st.integers(0, grad)), activation_bytes=draw(st.integers(0, 40)),
+                               output_bytes=draw(st.integers(0, 20)), workspace_bytes=draw(st.integers(0, 50))))
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "dualpipev"]))
+    ranks = draw(st.integers(1, len(costs) // SPR[schedule]))
+    return costs, ranks * SPR[schedule], schedule, draw(st.integers(1, 4))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replicated_problems(), st.integers(2, 8), st.integers(1, 100))
+def test_partition_with_replicas_is_the_brute_force_optimum(problem, dp, bucket):
+    costs, num_stages, schedule, microbatches = problem
+    kw = {"schedule": schedule, "microbatches": max(microbatches, num_stages), "data_parallel_size": dp,
+          "bucket_bytes": bucket}
+    part = partition_layers(costs, num_stages, **kw)
+    assert part.max_peak_bytes == _brute_force(costs, num_stages, **kw)
+    alone = evaluate_partition(costs, part.sizes, schedule=schedule, microbatches=kw["microbatches"])
+    assert all(a <= b for a, b in zip(alone.predicted_peak_bytes, part.predicted_peak_bytes))
+
+
 def test_memory_partition_beats_the_baselines_on_a_heavy_embedding_and_head():
     big = LayerCost(param_bytes=4000, grad_bytes=4000, optimizer_bytes=8000, activation_bytes=100, output_bytes=50)
     block = LayerCost(param_bytes=500, grad_bytes=500, optimizer_bytes=1000, activation_bytes=1500, output_bytes=50,
@@ -128,6 +185,10 @@ def test_bad_input():
         evaluate_partition([1, 2, 3, 4], [2, 1])
     with pytest.raises(ValueError, match=r"evaluate_partition\(sizes\[1\]=0\): must be an int >= 1"):
         evaluate_partition([1, 2, 3, 4], [4, 0])
+    with pytest.raises(ValueError, match=r"partition_layers\(data_parallel_size=0\): must be an int >= 1"):
+        partition_layers([1, 2, 3, 4], 2, data_parallel_size=0)
+    with pytest.raises(ValueError, match=r"evaluate_partition\(bucket_bytes=0\): must be an int >= 1"):
+        evaluate_partition([1, 2, 3, 4], [2, 2], data_parallel_size=2, bucket_bytes=0)
     with pytest.raises(ValueError, match=r"partition_layers\(max_bytes_per_rank=0\): must be an int >= 1 or None"):
         partition_layers([1, 2], 2, max_bytes_per_rank=0)
     with pytest.raises(ValueError, match="supports 2 stages per rank"):
