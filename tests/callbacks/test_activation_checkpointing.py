@@ -132,10 +132,12 @@ def test_budget_below_anything_reachable_states_the_best_peak():
     assert all("forward" not in vars(b) for b in model.blocks)
 
 
-def test_fsdp_defers_to_lightnings_own_policy():
+def test_fsdp_with_its_own_policy_is_refused_not_doubled():
+    """FSDP runs the callback (tests/callbacks/test_callbacks_fsdp.py), but not on top of FSDP's own recompute."""
     callback = ActivationCheckpointing(policy={Block})
-    trainer = SimpleNamespace(strategy=FSDPStrategy())
-    with pytest.raises(ValueError, match=r"does not run under FSDPStrategy.*activation_checkpointing_policy"):
+    callback.setup(SimpleNamespace(strategy=FSDPStrategy()), make_model(), "fit")  # accepted
+    trainer = SimpleNamespace(strategy=FSDPStrategy(activation_checkpointing_policy={Block}))
+    with pytest.raises(ValueError, match=r"FSDPStrategy\(activation_checkpointing_policy=...\) already recomputes"):
         callback.setup(trainer, make_model(), "fit")
 
 
