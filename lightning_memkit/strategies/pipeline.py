@@ -689,7 +689,7 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         meta = manifest["meta"]
         if manifest["world_size"] != self.mesh_shape[1]:
             raise ValueError(
-                f"{path} was saved by pipelines of {manifest['world_size']} ranks; this run has "
+                f"{path} was saved by pipelines of {manifest['world_size']} rank(s); this run has "
                 f"pipeline_parallel_size={self.mesh_shape[1]} (any number of replicas loads it). Merge the shards "
                 "with load_pipeline_state_dict() to load them into another split"
             )

@@ -187,3 +187,18 @@ def test_cuda_fit_through_the_cli(tmp_path, fused):
                           env=dict(os.environ, PYTHONPATH=PYPATH))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "memkit_pipeline: 1f1b, 1 stages" in done.stdout + done.stderr
+
+
+def test_a_checkpoint_of_another_pipeline_size_is_refused_naming_both(tmp_path):
+    """Saved by pipelines of 1 rank, loaded by pipelines of 2: refused before anything is restored."""
+    from lightning_memkit.pipeline import checkpoint as ckpt
+
+    meta = {"schedule": "1f1b", "microbatches": 4, "stages_per_rank": 1, "sizes": [3], "data_parallel": 1}
+    ckpt.save_sharded(tmp_path / "c.ckpt", {"state_dict": {"w": torch.zeros(2)}}, meta=meta)
+    strategy = MemkitPipelineStrategy(parallel_devices=[torch.device("cpu")] * 2,
+                                      cluster_environment=LightningEnvironment())
+    assert strategy.mesh_shape == (1, 2)
+    with pytest.raises(ValueError, match=r"saved by pipelines of 1 rank\(s\); this run has pipeline_parallel_size=2 "
+                                         r"\(any number of replicas loads it\)"):
+        strategy._load_own_shard(tmp_path / "c.ckpt", weights_only=False)
+    assert strategy._restored is None  # nothing taken from the refused checkpoint
