@@ -202,3 +202,23 @@ def test_a_checkpoint_of_another_pipeline_size_is_refused_naming_both(tmp_path):
                                          r"\(any number of replicas loads it\)"):
         strategy._load_own_shard(tmp_path / "c.ckpt", weights_only=False)
     assert strategy._restored is None  # nothing taken from the refused checkpoint
+
+
+def test_the_mesh_yaml_of_the_docs_builds_a_2x2_mesh_through_lightning_cli(tmp_path):
+    import re
+
+    import yaml
+
+    from lightning_memkit.cli import MemkitCLI
+
+    page = (ROOT / "docs" / "pipeline.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", page, re.S) if "pipeline_parallel_size" in b)
+    config = yaml.safe_load(block)
+    config["trainer"]["default_root_dir"] = str(tmp_path)
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = MemkitCLI(args=["--config", str(path)], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, MemkitPipelineStrategy)
+    assert strategy.mesh_shape == (2, 2) and strategy.config.data_parallel == "ddp"
+    assert cli.trainer.gradient_clip_val == 1.0
