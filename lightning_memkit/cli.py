@@ -89,32 +89,18 @@ def _saved_tensor_profiler_type() -> type | None:
 
 def memory_report(trainer: Trainer) -> list[Any]:
     """Renderables (rich tables and strings) describing the memory of the last fit of ``trainer``."""
-    from lightning_memkit.memory.report import static_memory_table
     from lightning_memkit.report import memory_effects
 
-    parts: list[Any] = []
     monitors = [cb for cb in trainer.callbacks if isinstance(cb, PeakMemoryMonitor)]
-    static = next((m.static_table for m in monitors if m.static_table is not None), None)
-    if static is None and trainer.lightning_module is not None:
-        static = static_memory_table(trainer.lightning_module, trainer.optimizers)
-    if static is not None:
-        parts.append(static.table())
-    for monitor in monitors:
-        parts.append(monitor.table())
+    profiler_type = _saved_tensor_profiler_type()
+    profilers = [cb for cb in trainer.callbacks if profiler_type is not None and isinstance(cb, profiler_type)]
+    parts: list[Any] = _static_table(trainer, monitors)
+    parts += [monitor.table() for monitor in monitors]
     effects = memory_effects(trainer)  # now, after teardown: PhaseMemoryRelease has released by then
     if effects:
         parts.append("\n".join(effects))
-    profiler_type = _saved_tensor_profiler_type()
-    profilers = [cb for cb in trainer.callbacks if profiler_type is not None and isinstance(cb, profiler_type)]
     for profiler in profilers:
-        report = getattr(profiler, "last_report", None)
-        if report is None:
-            parts.append("SavedTensorProfiler: no step was profiled.")
-            continue
-        parts.append(str(report))
-        written = [str(p) for p in getattr(profiler, "written", [])]
-        if written:
-            parts.append("Saved-tensor report written to:\n" + "\n".join(f"  {p}" for p in written))
+        parts += _profiler_report(profiler)
     if not monitors and not profilers:
         parts.append("No memkit memory callback ran: add PeakMemoryMonitor or SavedTensorProfiler to the callbacks.")
     for tracker in (cb for cb in trainer.callbacks if isinstance(cb, LossTracker)):
@@ -122,6 +108,28 @@ def memory_report(trainer: Trainer) -> list[Any]:
             parts.append(
                 f"train loss: first {tracker.first:.4f} -> last {tracker.last:.4f} over {tracker.steps} steps"
             )
+    return parts
+
+
+def _static_table(trainer: Trainer, monitors: list[PeakMemoryMonitor]) -> list[Any]:
+    """The static byte table a monitor made at fit start, else one made now from the module (``[]`` if none)."""
+    from lightning_memkit.memory.report import static_memory_table
+
+    static = next((m.static_table for m in monitors if m.static_table is not None), None)
+    if static is None and trainer.lightning_module is not None:
+        static = static_memory_table(trainer.lightning_module, trainer.optimizers)
+    return [] if static is None else [static.table()]
+
+
+def _profiler_report(profiler: Any) -> list[str]:
+    """A ``SavedTensorProfiler``'s latest table and the paths of the files it wrote."""
+    report = getattr(profiler, "last_report", None)
+    if report is None:
+        return ["SavedTensorProfiler: no step was profiled."]
+    parts = [str(report)]
+    written = [str(p) for p in getattr(profiler, "written", [])]
+    if written:
+        parts.append("Saved-tensor report written to:\n" + "\n".join(f"  {p}" for p in written))
     return parts
 
 

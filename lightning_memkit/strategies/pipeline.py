@@ -420,6 +420,7 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
                              "use 'bf16-mixed', 'bf16-true' or '32-true'")
 
     def _make_partition(self, trainer: Any, layers: list[nn.Module]) -> Partition:
+        """The split of ``layers`` into stages: kept, restored, given, static or measured (``"memory"``)."""
         world = self.mesh_shape[1]  # ranks per pipeline
         num_stages = world * self.stages_per_rank
         check_microbatches(self.schedule, num_stages, self.microbatches, world)
@@ -430,25 +431,10 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         previous = self.partition
         if previous is not None and previous.num_stages == num_stages and previous.boundaries[-1] == len(layers):
             return previous  # fit, then validate/test with the same trainer: the layers are already split
-        if any(p.device.type == "meta" for layer in layers for p in layer.parameters()):
-            raise ValueError(
-                "some of the model's layers live on the meta device (a previous pipeline run kept only its own "
-                "stages); load the weights again, e.g. from load_pipeline_state_dict(checkpoint), before a new run"
-            )
-        if self._restored is not None:
-            sizes = self._restored["sizes"]
-            return evaluate_partition([static_cost(m, optimizer) for m in layers], sizes, **kwargs)
-        method = self.partition_method
-        if isinstance(method, tuple):
-            if len(method) != num_stages:
-                raise ValueError(
-                    f"partition={list(method)} lists {len(method)} stages, but {world} ranks per pipeline x "
-                    f"{self.stages_per_rank} stage(s) per rank = {num_stages}"
-                )
-            return evaluate_partition([static_cost(m, optimizer) for m in layers], list(method), **kwargs)
-        if method != "memory":
-            fn = uniform_partition if method == "uniform" else parameter_balanced_partition
-            return fn([static_cost(m, optimizer) for m in layers], num_stages, **kwargs)
+        _refuse_meta_layers(layers)
+        static = self._static_partition(layers, num_stages, optimizer, kwargs)
+        if static is not None:
+            return static
         result: Any = None
         if self.is_global_zero:
             try:
@@ -459,6 +445,25 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         if isinstance(result, Exception):
             raise result
         return result
+
+    def _static_partition(self, layers: list[nn.Module], num_stages: int, optimizer: Any,
+                          kwargs: dict[str, Any]) -> Partition | None:
+        """The split that needs no measurement (restored, explicit sizes, uniform, parameters), else ``None``."""
+        method = self.partition_method
+        if self._restored is None and method == "memory":
+            return None
+        costs = [static_cost(m, optimizer) for m in layers]
+        if self._restored is not None:
+            return evaluate_partition(costs, self._restored["sizes"], **kwargs)
+        if isinstance(method, tuple):
+            if len(method) != num_stages:
+                raise ValueError(
+                    f"partition={list(method)} lists {len(method)} stages, but {self.mesh_shape[1]} ranks per "
+                    f"pipeline x {self.stages_per_rank} stage(s) per rank = {num_stages}"
+                )
+            return evaluate_partition(costs, list(method), **kwargs)
+        fn = uniform_partition if method == "uniform" else parameter_balanced_partition
+        return fn(costs, num_stages, **kwargs)
 
     def _memory_partition(self, trainer, layers, num_stages, optimizer, kwargs) -> Partition:
         inputs, target = self._inputs(self._sample_batch(trainer))
@@ -760,6 +765,15 @@ def _destroy_process_group_at_exit() -> None:
             torch.distributed.destroy_process_group()
 
     atexit.register(destroy)
+
+
+def _refuse_meta_layers(layers: list[nn.Module]) -> None:
+    """A layer left on ``meta`` by an earlier pipeline run cannot be split again: say how to get the weights back."""
+    if any(p.device.type == "meta" for layer in layers for p in layer.parameters()):
+        raise ValueError(
+            "some of the model's layers live on the meta device (a previous pipeline run kept only its own "
+            "stages); load the weights again, e.g. from load_pipeline_state_dict(checkpoint), before a new run"
+        )
 
 
 def _all_gather_object(obj: Any, group: Any) -> list[Any]:
