@@ -36,6 +36,7 @@ from lightning_memkit.demo import ByteTextDataModule, TinyLM
 
 THREADS = 1  # one intra-op thread: stable ratios on a shared 2-core machine
 BASELINE = "no callback"
+_N_VAR = 4  # variants, one step each per round: step i runs variant i % 4
 _FIT_HOOKS = ("setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
               "on_train_epoch_start", "on_train_epoch_end", "on_exception")
 _STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -112,15 +113,30 @@ def run(device: str = "cpu", quick: bool = False) -> list[dict]:
 def _case(device: str, quick: bool) -> dict:
     torch.manual_seed(0)
     cuda = device.startswith("cuda")
-    if quick:
-        model_kw, data_kw, rounds = {"d_model": 64, "n_layers": 2, "n_heads": 2, "seq_len": 64}, (8, 64), 12
-    else:
-        model_kw, data_kw, rounds = {}, ((64, 128) if cuda else (16, 128)), 32
+    model_kw, data_kw, rounds = _sizes(quick, cuda)
     sample = PeakMemoryMonitor().cpu_sample_every_n_steps
-    n_var = 4
+    times, profiler = _fit(device, model_kw, data_kw, rounds, sample)
+    ratios, raw = _ratios(times, cuda, sample, profiler)
+    rows, goal, met = _rows(ratios, raw, 1 if cuda else sample, cuda, profiler)
+    label = "TinyLM " + ("d_model=64 n_layers=2" if quick else "d_model=128 n_layers=4")
+    case = (f"{label}, batch {data_kw[0]}x{data_kw[1]}, Trainer.fit on {device}, {torch.get_num_threads()} "
+            f"thread(s), {rounds - 1} rounds of 4 interleaved steps")
+    return record("overhead", case, f"{BASELINE} (the step just before, same round)", rows, goal=goal, met=met)
+
+
+def _sizes(quick: bool, cuda: bool) -> tuple[dict, tuple[int, int], int]:
+    """TinyLM keyword arguments, ``(batch size, sequence length)`` and the number of rounds."""
+    if quick:
+        return {"d_model": 64, "n_layers": 2, "n_heads": 2, "seq_len": 64}, (8, 64), 12
+    return {}, ((64, 128) if cuda else (16, 128)), 32
+
+
+def _fit(device: str, model_kw: dict, data_kw: tuple[int, int], rounds: int,
+         sample: int) -> tuple[list[tuple[int, str, float]], Callback | None]:
+    """One fit of ``rounds`` rounds of the variants: the step times and the profiler (``None`` if absent)."""
     with tempfile.TemporaryDirectory() as out_dir:
         # the profiler's slot is 3: it profiles steps 3, 3 + 16, ... and skips the others in its slot
-        profiler = _profiler(4 * n_var, 3, out_dir)
+        profiler = _profiler(4 * _N_VAR, 3, out_dir)
         variants = [
             (BASELINE, None),
             (f"PeakMemoryMonitor() (1 in {sample} steps measured on CPU)", PeakMemoryMonitor(verbose=False)),
@@ -130,34 +146,48 @@ def _case(device: str, quick: bool) -> dict:
         ]
         rotate = _Rotate(variants, device)
         trainer = L.Trainer(
-            accelerator="gpu" if cuda else "cpu", devices=1, max_steps=rounds * n_var, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1, max_steps=rounds * _N_VAR,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             limit_val_batches=0, callbacks=[rotate], default_root_dir=out_dir,
         )
         model = TinyLM(**model_kw)
         data = ByteTextDataModule(batch_size=data_kw[0], seq_len=data_kw[1], max_bytes=400_000)
         with contextlib.redirect_stdout(io.StringIO()):  # the profiler prints its table
             trainer.fit(model, data)
+    return rotate.times, profiler
 
-    by_step = {step: t for step, _, t in rotate.times}
+
+def _step_key(step: int, slot: int, cuda: bool, sample: int, profiler: Callback | None) -> str:
+    """The kind of a step in a callback's slot (1, 2 or 3)."""
+    if slot == 1:  # the monitor's k-th batch is measured when k % sample == 0 (every batch on CUDA)
+        return "default measured" if cuda or ((step - 1) // _N_VAR) % sample == 0 else "default unmeasured"
+    if slot == 2:
+        return "every step"
+    return "profiled" if profiler is not None and profiler.should_profile(step) else "not profiled"
+
+
+def _ratios(times: list[tuple[int, str, float]], cuda: bool, sample: int,
+            profiler: Callback | None) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per kind of step, the ratios to the baseline step of the same round and the raw times (warm-up left out)."""
+    by_step = {step: t for step, _, t in times}
     ratios: dict[str, list[float]] = {}
     raw: dict[str, list[float]] = {BASELINE: []}
     for step, t in sorted(by_step.items()):
-        slot = step % n_var
-        if step < n_var:  # first round: warm-up
+        slot = step % _N_VAR
+        if step < _N_VAR:  # first round: warm-up
             continue
         if slot == 0:
             raw[BASELINE].append(t)
             continue
-        if slot == 1:  # the monitor's k-th batch is measured when k % sample == 0 (every batch on CUDA)
-            key = "default measured" if cuda or ((step - 1) // n_var) % sample == 0 else "default unmeasured"
-        elif slot == 2:
-            key = "every step"
-        else:
-            key = "profiled" if profiler is not None and profiler.should_profile(step) else "not profiled"
+        key = _step_key(step, slot, cuda, sample, profiler)
         ratios.setdefault(key, []).append(t / by_step[step - slot])
         raw.setdefault(key, []).append(t)
+    return ratios, raw
 
+
+def _rows(ratios: dict[str, list[float]], raw: dict[str, list[float]], n: int, cuda: bool,
+          profiler: Callback | None) -> tuple[list[dict], str, bool | None]:
+    """The result rows (median times and ratios), the goal text and whether it is met."""
     med = {k: statistics.median(v) for k, v in ratios.items()}
     rows = [{"impl": BASELINE, "steps": len(raw[BASELINE]), "time_s": round(statistics.median(raw[BASELINE]), 4),
              "time_vs_baseline": 1.0}]
@@ -167,15 +197,12 @@ def _case(device: str, quick: bool) -> dict:
             rows.append({"impl": impl, "steps": len(ratios[key]), "time_s": round(statistics.median(raw[key]), 4),
                          "time_vs_baseline": round(med[key], 3)})
 
-    n = 1 if cuda else sample
     row("PeakMemoryMonitor(cpu_sample_every_n_steps=1): every step measured", "every step")
     row(f"PeakMemoryMonitor(): its measured steps (1 in {n})", "default measured")
     row("PeakMemoryMonitor(): its unmeasured steps", "default unmeasured")
     goal, met = "", None
     if "every step" in med and (cuda or "default unmeasured" in med):
-        unmeasured = med["every step"] if cuda else med["default unmeasured"]
-        amortized = (med["every step"] + (n - 1) * unmeasured) / n
-        direct = statistics.fmean(ratios.get("default measured", []) + ratios.get("default unmeasured", []))
+        amortized, direct = _amortized(ratios, med, n, cuda)
         rows.append({"impl": f"PeakMemoryMonitor() amortized: (every-step ratio + {n - 1} x unmeasured) / {n}",
                      "steps": "", "time_s": "", "time_vs_baseline": round(amortized, 3),
                      "mean_ratio_over_its_steps": round(direct, 3)})
@@ -186,7 +213,13 @@ def _case(device: str, quick: bool) -> dict:
     else:
         row(f"SavedTensorProfiler(every_n_steps={profiler.every_n_steps}): profiled step", "profiled")
         row("SavedTensorProfiler: other steps", "not profiled")
-    label = "TinyLM " + ("d_model=64 n_layers=2" if quick else "d_model=128 n_layers=4")
-    case = (f"{label}, batch {data_kw[0]}x{data_kw[1]}, Trainer.fit on {device}, {torch.get_num_threads()} "
-            f"thread(s), {rounds - 1} rounds of 4 interleaved steps")
-    return record("overhead", case, f"{BASELINE} (the step just before, same round)", rows, goal=goal, met=met)
+    return rows, goal, met
+
+
+def _amortized(ratios: dict[str, list[float]], med: dict[str, float], n: int, cuda: bool) -> tuple[float, float]:
+    """The monitor's default cost per step amortized over its sampling interval ``n``, and the plain mean of
+    the ratios over all of its steps."""
+    unmeasured = med["every step"] if cuda else med["default unmeasured"]
+    amortized = (med["every step"] + (n - 1) * unmeasured) / n
+    direct = statistics.fmean(ratios.get("default measured", []) + ratios.get("default unmeasured", []))
+    return amortized, direct

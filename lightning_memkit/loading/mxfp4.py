@@ -209,12 +209,35 @@ def dequantize_mxfp4(
 
     Returns ``out``, or a new contiguous tensor on ``blocks``' device.
     """
+    out_shape = _check_tensors(blocks, scales, out)
+    dtype = _result_dtype(dtype, out)
+    check_int(rows_per_chunk, "rows_per_chunk", minimum=1, allow_none=True)
+    if rows_per_chunk is None:
+        rows_per_chunk = default_rows_per_chunk(blocks.shape, dtype, into_out=out is not None)
+
+    device = out.device if out is not None else blocks.device
+    if out is None:
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+    tables = _Tables(dtype, device)
+    nan_exponents = scales.numel() > 0 and int(scales.max()) == 255  # a reduction: no temporary of scales' size
+    with torch.no_grad():
+        if not _dequantize_by_lead(blocks, scales, out, tables, nan_exponents, rows_per_chunk, device):
+            _dequantize_by_rows(blocks, scales, out, tables, nan_exponents, rows_per_chunk, device)
+    return out
+
+
+def _check_tensors(blocks, scales, out) -> tuple[int, ...]:
+    """``TypeError`` unless the arguments are tensors; the output shape checked by :func:`check_mxfp4`."""
     if not isinstance(blocks, torch.Tensor) or not isinstance(scales, torch.Tensor):
         raise TypeError(f"blocks and scales must be tensors, got {type(blocks).__name__}, {type(scales).__name__}")
     if out is not None and not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a tensor or None, got {type(out).__name__}")
-    out_shape = check_mxfp4("weight", blocks.shape, blocks.dtype, scales.shape, scales.dtype,
-                            None if out is None else out.shape)
+    return check_mxfp4("weight", blocks.shape, blocks.dtype, scales.shape, scales.dtype,
+                       None if out is None else out.shape)
+
+
+def _result_dtype(dtype, out: torch.Tensor | None) -> torch.dtype:
+    """The floating result dtype (``out``'s when given, which must agree with ``dtype`` and be writable)."""
     if out is not None:
         if dtype is not None and dtype != out.dtype:
             raise ValueError(f"dtype={dtype} differs from out.dtype={out.dtype}; pass one or make them agree")
@@ -225,38 +248,41 @@ def dequantize_mxfp4(
     dtype = dtype or torch.bfloat16
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} is not allowed; use a floating dtype such as torch.bfloat16")
-    check_int(rows_per_chunk, "rows_per_chunk", minimum=1, allow_none=True)
-    if rows_per_chunk is None:
-        rows_per_chunk = default_rows_per_chunk(blocks.shape, dtype, into_out=out is not None)
+    return dtype
 
-    device = out.device if out is not None else blocks.device
-    if out is None:
-        out = torch.empty(out_shape, dtype=dtype, device=device)
+
+def _dequantize_by_lead(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, tables: _Tables,
+                        nan_exponents: bool, rows_per_chunk: int, device: torch.device) -> bool:
+    """Whole row groups (experts) per chunk, when a chunk holds at least ``R`` rows and the leading
+    dimensions merge without a copy; ``False`` (nothing written) otherwise."""
     *lead, rows, groups, _ = blocks.shape
     width = groups * 2 * BLOCK_BYTES
-    tables = _Tables(dtype, device)
-    nan_exponents = scales.numel() > 0 and int(scales.max()) == 255  # a reduction: no temporary of scales' size
     n_lead = math.prod(lead)
     flat = (_flat(blocks, (n_lead, rows, groups, BLOCK_BYTES)), _flat(scales, (n_lead, rows, groups)),
             _flat(out, (n_lead, width, rows)))
-    with torch.no_grad():
-        if rows_per_chunk >= rows and all(t is not None for t in flat):  # whole row groups (experts) per chunk
-            blk_all, sc_all, dst_all = flat
-            step = rows_per_chunk // rows
-            for p0 in range(0, n_lead, step):
-                p1 = min(p0 + step, n_lead)
-                blk = blk_all[p0:p1].to(device).reshape((p1 - p0) * rows, groups, BLOCK_BYTES)
-                sc = sc_all[p0:p1].to(device).reshape((p1 - p0) * rows, groups)
-                vals = tables.chunk(blk, sc, nan_exponents)
-                del blk, sc
-                dst_all[p0:p1].copy_(vals.view(p1 - p0, rows, width).transpose(1, 2))
-                del vals
-            return out
-        for index in itertools.product(*(range(n) for n in lead)):
-            blk_all, sc_all, dst_all = blocks[index], scales[index], out[index]  # views: [R, G, 16], [K, R]
-            for r0 in range(0, rows, rows_per_chunk):
-                r1 = min(r0 + rows_per_chunk, rows)
-                vals = tables.chunk(blk_all[r0:r1].to(device), sc_all[r0:r1].to(device), nan_exponents)
-                dst_all[:, r0:r1].copy_(vals.t())
-                del vals
-    return out
+    if rows_per_chunk < rows or any(t is None for t in flat):
+        return False
+    blk_all, sc_all, dst_all = flat
+    step = rows_per_chunk // rows
+    for p0 in range(0, n_lead, step):
+        p1 = min(p0 + step, n_lead)
+        blk = blk_all[p0:p1].to(device).reshape((p1 - p0) * rows, groups, BLOCK_BYTES)
+        sc = sc_all[p0:p1].to(device).reshape((p1 - p0) * rows, groups)
+        vals = tables.chunk(blk, sc, nan_exponents)
+        del blk, sc
+        dst_all[p0:p1].copy_(vals.view(p1 - p0, rows, width).transpose(1, 2))
+        del vals
+    return True
+
+
+def _dequantize_by_rows(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, tables: _Tables,
+                        nan_exponents: bool, rows_per_chunk: int, device: torch.device) -> None:
+    """``rows_per_chunk`` packed rows of one leading index per chunk."""
+    *lead, rows, _, _ = blocks.shape
+    for index in itertools.product(*(range(n) for n in lead)):
+        blk_all, sc_all, dst_all = blocks[index], scales[index], out[index]  # views: [R, G, 16], [K, R]
+        for r0 in range(0, rows, rows_per_chunk):
+            r1 = min(r0 + rows_per_chunk, rows)
+            vals = tables.chunk(blk_all[r0:r1].to(device), sc_all[r0:r1].to(device), nan_exponents)
+            dst_all[:, r0:r1].copy_(vals.t())
+            del vals

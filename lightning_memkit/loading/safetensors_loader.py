@@ -238,8 +238,8 @@ class _Item:
         return len(self.sources) == 2
 
 
-def _plan(manifest: dict[str, TensorInfo], targets: dict[str, torch.Tensor], strict: bool,
-          result: LoadResult) -> tuple[list[_Item], list[str]]:
+def _group_items(manifest: dict[str, TensorInfo]) -> tuple[list[_Item], list[str]]:
+    """One item per plain tensor, then one per ``X_blocks`` + ``X_scales`` pair; an unpaired half is an error."""
     items: list[_Item] = []
     errors: list[str] = []
     pairs: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
@@ -256,13 +256,45 @@ def _plan(manifest: dict[str, TensorInfo], targets: dict[str, torch.Tensor], str
             errors.append(f"{info.name}: has no matching {base}{other} in the checkpoint")
             continue
         items.append(_Item(base, (pair["_blocks"], pair["_scales"])))
+    return items, errors
+
+
+def _duplicate_errors(items: list[_Item]) -> list[str]:
+    """One error per item whose target an earlier item already fills."""
+    errors: list[str] = []
     seen: dict[str, _Item] = {}
     for item in items:
         if item.target in seen:
             both = [s.name for s in seen[item.target].sources + item.sources]
             errors.append(f"{item.target}: given twice in the checkpoint ({', '.join(both)})")
         seen[item.target] = item
+    return errors
+
+
+def _check_item(item: _Item, target: torch.Tensor) -> None:
+    """``ValueError`` unless ``item``'s sources fit ``target``: MXFP4 layout and a floating destination, or the
+    same shape and kind of dtype."""
+    if item.mxfp4:
+        blocks, scales = item.sources
+        check_mxfp4(item.target, blocks.shape, blocks.dtype, scales.shape, scales.dtype, target.shape)
+        if not target.dtype.is_floating_point:
+            raise ValueError(f"{item.target}: destination dtype {target.dtype} is not floating point")
+        return
+    (src,) = item.sources
+    if tuple(src.shape) != tuple(target.shape):
+        raise ValueError(f"{src.name}: checkpoint shape {list(src.shape)} does not match the module's "
+                         f"{list(target.shape)}")
+    if _kind(src.dtype) != _kind(target.dtype):
+        raise ValueError(f"{src.name}: checkpoint dtype {src.dtype} cannot be copied into the module's "
+                         f"{target.dtype} (only within floating, integer or bool dtypes)")
+
+
+def _match_items(items: list[_Item], targets: dict[str, torch.Tensor], strict: bool,
+                 result: LoadResult) -> tuple[list[_Item], list[str]]:
+    """The items with a fitting destination; the others are errors (or ``result.ignored`` when not ``strict``
+    and the module has no such tensor)."""
     planned: list[_Item] = []
+    errors: list[str] = []
     for item in items:
         target = targets.get(item.target)
         if target is None:
@@ -273,26 +305,29 @@ def _plan(manifest: dict[str, TensorInfo], targets: dict[str, torch.Tensor], str
                 result.ignored.extend(s.name for s in item.sources)
             continue
         try:
-            if item.mxfp4:
-                blocks, scales = item.sources
-                check_mxfp4(item.target, blocks.shape, blocks.dtype, scales.shape, scales.dtype, target.shape)
-                if not target.dtype.is_floating_point:
-                    raise ValueError(f"{item.target}: destination dtype {target.dtype} is not floating point")
-            else:
-                (src,) = item.sources
-                if tuple(src.shape) != tuple(target.shape):
-                    raise ValueError(f"{src.name}: checkpoint shape {list(src.shape)} does not match the module's "
-                                     f"{list(target.shape)}")
-                if _kind(src.dtype) != _kind(target.dtype):
-                    raise ValueError(f"{src.name}: checkpoint dtype {src.dtype} cannot be copied into the module's "
-                                     f"{target.dtype} (only within floating, integer or bool dtypes)")
+            _check_item(item, target)
         except ValueError as err:
             errors.append(str(err))
             continue
         planned.append(item)
+    return planned, errors
+
+
+def _absent_targets(items: list[_Item], targets: dict[str, torch.Tensor]) -> list[str]:
+    """Module tensors that no item fills (tied tensors count once)."""
     covered = {item.target for item in items}
-    covered_ids = {id(targets[name]) for name in covered if name in targets}  # tied tensors count once
-    absent = [name for name, t in targets.items() if name not in covered and id(t) not in covered_ids]
+    covered_ids = {id(targets[name]) for name in covered if name in targets}
+    return [name for name, t in targets.items() if name not in covered and id(t) not in covered_ids]
+
+
+def _plan(manifest: dict[str, TensorInfo], targets: dict[str, torch.Tensor], strict: bool,
+          result: LoadResult) -> tuple[list[_Item], list[str]]:
+    """The items to load, in file order, and every error; ``strict=False`` fills ``result.ignored``/``missing``."""
+    items, errors = _group_items(manifest)
+    errors += _duplicate_errors(items)
+    planned, mismatches = _match_items(items, targets, strict, result)
+    errors += mismatches
+    absent = _absent_targets(items, targets)
     if strict and absent:
         listed = ", ".join(repr(n) for n in absent[:_MAX_LISTED]) + (" ..." if len(absent) > _MAX_LISTED else "")
         errors.append(f"the checkpoint has no entry for {len(absent)} module tensor(s): {listed} "

@@ -114,17 +114,9 @@ def _key_text(key: Any) -> str:
 def _edge(parent: Any, child: Any) -> str:
     """How ``parent`` refers to ``child``, as a path fragment."""
     if isinstance(parent, dict):
-        for k, v in parent.items():
-            if v is child:
-                return f"[{_key_text(k)}]"
-            if k is child:
-                return f"[key {_key_text(k)}]"
-        return "[?]"
+        return _dict_edge(parent, child)
     if isinstance(parent, (list, tuple, deque)):
-        for i, v in enumerate(parent):
-            if v is child:
-                return f"[{i}]"
-        return "[?]"
+        return next((f"[{i}]" for i, v in enumerate(parent) if v is child), "[?]")
     if isinstance(parent, (set, frozenset)):
         return "{item}"
     if isinstance(parent, types.CellType):
@@ -132,10 +124,22 @@ def _edge(parent: Any, child: Any) -> str:
     if isinstance(parent, types.MethodType):
         return ".__self__" if parent.__self__ is child else ".__func__"
     if isinstance(parent, types.FrameType):
-        for name, v in parent.f_locals.items():
-            if v is child:
-                return f" local {name!r}"
-        return " <stack>"
+        return next((f" local {name!r}" for name, v in parent.f_locals.items() if v is child), " <stack>")
+    return _attribute_edge(parent, child)
+
+
+def _dict_edge(parent: dict, child: Any) -> str:
+    """``[key]`` for a value, ``[key key]`` for a key, ``[?]`` when ``child`` is neither."""
+    for k, v in parent.items():
+        if v is child:
+            return f"[{_key_text(k)}]"
+        if k is child:
+            return f"[key {_key_text(k)}]"
+    return "[?]"
+
+
+def _attribute_edge(parent: Any, child: Any) -> str:
+    """An instance's ``.__dict__`` or ``.name`` (dict entry or slot), a function's closure, else ``.<ref>``."""
     d = _instance_dict(parent)
     if d is child:
         return ".__dict__"
@@ -233,25 +237,42 @@ def _walk(targets: list[Any], ignore: set[int], max_depth: int, max_holders: int
             if id(ref) in ignore or id(ref) in internal or _own_frame(ref):
                 continue
             keep.append(ref)
-            named = _is_named(ref)
-            for child in gc.get_referents(ref) if not isinstance(ref, types.FrameType) else _frame_refs(ref, by_id):
-                if isinstance(ref, types.FunctionType) and child is ref.__globals__:
-                    continue  # a function only reads its module's namespace: the module is the holder
-                for i, path in by_id.get(id(child), ()):
-                    if len(found[i]) >= max_holders or id(ref) in seen[i]:
-                        continue
-                    seen[i].add(id(ref))
-                    edge = _edge(ref, child)
-                    if isinstance(ref, types.FrameType) and edge == " <stack>":
-                        continue  # a temporary on some caller's value stack (an argument being passed)
-                    if named:
-                        found[i].append((_qualname(ref), _join(_holder_label(ref), [edge, *path])))
-                    else:
-                        next_objs.append(ref)
-                        next_meta.append((i, [edge, *path]))
+            _visit(ref, by_id, found, seen, max_holders, next_objs, next_meta)
         refs = None
         objs, meta = next_objs, next_meta
     return found
+
+
+def _visit(ref: Any, by_id: dict[int, list[tuple[int, list[str]]]], found: list[list[tuple[str, str]]],
+           seen: list[set[int]], max_holders: int, next_objs: list[Any],
+           next_meta: list[tuple[int, list[str]]]) -> None:
+    """Record what ``ref`` holds among the level's objects (``by_id``): a named ``ref`` is a holder found,
+    a plain container joins the next level (``next_objs`` and its ``(target, path)`` in ``next_meta``)."""
+    named = _is_named(ref)
+    for child in _children(ref, by_id):
+        for i, path in by_id.get(id(child), ()):
+            if len(found[i]) >= max_holders or id(ref) in seen[i]:
+                continue
+            seen[i].add(id(ref))
+            edge = _edge(ref, child)
+            if isinstance(ref, types.FrameType) and edge == " <stack>":
+                continue  # a temporary on some caller's value stack (an argument being passed)
+            if named:
+                found[i].append((_qualname(ref), _join(_holder_label(ref), [edge, *path])))
+            else:
+                next_objs.append(ref)
+                next_meta.append((i, [edge, *path]))
+
+
+def _children(ref: Any, by_id: dict[int, Any]) -> list[Any]:
+    """What ``ref`` refers to: a frame's locals among ``by_id``; a function's referents less its globals
+    (a function only reads its module's namespace: the module is the holder)."""
+    if isinstance(ref, types.FrameType):
+        return _frame_refs(ref, by_id)
+    children = gc.get_referents(ref)
+    if isinstance(ref, types.FunctionType):
+        return [child for child in children if child is not ref.__globals__]
+    return children
 
 
 def _frame_refs(frame: types.FrameType, by_id: dict[int, Any]) -> list[Any]:

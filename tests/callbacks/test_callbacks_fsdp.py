@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import ranks
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
@@ -27,17 +27,13 @@ KINDS = [pytest.param("fsdp", marks=pytest.mark.slow), "model_parallel"]
 _RUNS: dict[tuple[str, str], list[dict]] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(kind: str, scenario: str, tmp_path_factory) -> list[dict]:
     """Both ranks' results of one worker scenario (run once per session)."""
     if (kind, scenario) in _RUNS:
         return _RUNS[kind, scenario]
-    out, port = tmp_path_factory.mktemp(f"{kind}_{scenario}"), _free_port()
+    out, port = tmp_path_factory.mktemp(f"{kind}_{scenario}"), ranks.free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",

@@ -11,7 +11,6 @@ import functools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import ranks
 import torch
 from torch import nn
 from torch.torch_version import TorchVersion
@@ -314,14 +314,10 @@ def test_example_config_trains_on_two_processes(tmp_path):
 
 
 # -- two ranks -----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(out: Path) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = ranks.free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",

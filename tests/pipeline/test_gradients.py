@@ -1,9 +1,9 @@
 """Gradient averaging over replicas and clipping by the global norm (lightning_memkit.pipeline.gradients)."""
 
 import os
-import socket
 
 import pytest
+import ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -55,12 +55,6 @@ def test_buckets_keep_order_split_by_dtype_device_and_size():
     assert [len(b) for b in _buckets([torch.zeros(100)], 8)] == [1]  # a larger gradient goes alone
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -81,7 +75,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 def test_two_ranks_average_replicas_and_clip_stages_together():
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(ranks.free_port(), out), nprocs=2, join=True)
         results = dict(out)
     mean = [(a.grad + b.grad) / 2 for a, b in zip(params_with_grads(10), params_with_grads(11), strict=True)]
     for rank in (0, 1):

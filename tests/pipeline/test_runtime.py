@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import ranks
 import torch
 from torch import nn
 from torch.torch_version import TorchVersion
@@ -29,10 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PYPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what is installed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(
@@ -49,7 +45,7 @@ def launch(
     A rank still running at ``timeout`` is killed (its output then starts with ``TIMEOUT``); rank ``stalled``
     is expected to hang and is killed as soon as the others are done.
     """
-    port = _free_port()
+    port = ranks.free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",

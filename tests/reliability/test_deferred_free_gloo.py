@@ -2,23 +2,20 @@
 held its buffer through the work handle and ``drain`` refused every release."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import ranks
 
 WORKER = Path(__file__).with_name("_deferred_free_gloo_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_deferred_free_releases_after_a_real_gloo_all_to_all():
-    port, world = _free_port(), 2
+    port, world = ranks.free_port(), 2
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",

@@ -11,14 +11,13 @@ import json
 import multiprocessing
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+import ranks
 import torch
 
 from lightning_memkit.pipeline import checkpoint as ckpt
@@ -317,14 +316,10 @@ def test_saving_over_a_legacy_checkpoint_replaces_it(tmp_path):
 
 
 # -- two gloo processes, one killed mid-save -------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(out: Path, *args: str) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = ranks.free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -334,18 +329,6 @@ def _launch(out: Path, *args: str) -> list[subprocess.Popen]:
     return procs
 
 
-def _wait(procs: list[subprocess.Popen], budget: float) -> list[tuple[int, str]]:
-    """Each process's exit code and output; kill all and fail if they take longer than ``budget`` seconds."""
-    t0, done = time.monotonic(), []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, budget - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"the 2-process run did not finish in {budget:.0f} s (hang)")
-        done.append((p.returncode, out))
-    return done
 
 
 @pytest.mark.slow
@@ -355,9 +338,9 @@ def _wait(procs: list[subprocess.Popen], budget: float) -> list[tuple[int, str]]
 )
 def test_rank_killed_while_overwriting_last_ckpt_resumes_from_the_previous_save(tmp_path, phase, victim):
     """Old code: the survivor's new shard sat next to the victim's old one, and the mix resumed with other losses."""
-    ranks = _wait(_launch(tmp_path, "crash", phase, str(victim)), 120)
-    assert ranks[victim][0] == CRASH, ranks[victim][1][-3000:] + ranks[1 - victim][1][-3000:]
-    for rc, out in _wait(_launch(tmp_path, "resume"), 120):
+    done = ranks.wait(_launch(tmp_path, "crash", phase, str(victim)), 120)
+    assert done[victim][0] == CRASH, done[victim][1][-3000:] + done[1 - victim][1][-3000:]
+    for rc, out in ranks.wait(_launch(tmp_path, "resume"), 120):
         assert rc == 0, out[-4000:]
     crashed = json.loads((tmp_path / "crash_losses_rank0.json").read_text())
     for rank in range(2):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import ranks
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import StrategyRegistry
@@ -90,7 +90,7 @@ def test_bad_arguments_fail_at_construction(kwargs, error, match):
 def test_a_missing_rank_fails_the_set_up_after_the_timeout(monkeypatch):
     """Rank 0 of 2 alone: torch's rendezvous gives up after ``timeout`` seconds, not Lightning's 30 minutes."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # set again by the set-up: restored after the test
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(ranks.free_port()))
     strategy = MemkitPipelineStrategy(timeout=1.5, parallel_devices=[torch.device("cpu")] * 2,
                                       cluster_environment=LightningEnvironment())
     t0 = time.monotonic()
@@ -131,15 +131,11 @@ def test_example_config_builds_the_strategy_through_lightning_cli(tmp_path):
     assert callable(cli.model.pipeline_layers) and len(cli.model.pipeline_layers()) == cli.model.hparams.n_layers + 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
     """TinyLM on 2 ranks: the same losses as plain training, identical losses after resume, clear errors."""
-    port = _free_port()
+    port = ranks.free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
