@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -196,21 +195,3 @@ def test_bad_input():
         partition_layers([1] * 9, 9, schedule="interleaved_1f1b", stages_per_rank=3, microbatches=3)
     with pytest.raises(TypeError, match="costs must be a sequence"):
         partition_layers(5, 1)
-
-
-def test_backward_workspace_is_net_of_the_later_layers_and_the_step_is_a_phase():
-    """A layer's backward runs after the later layers of its stage freed their per-microbatch bytes."""
-    costs = [LayerCost(activation_bytes=100, workspace_bytes=900, output_bytes=10),
-             LayerCost(activation_bytes=200, workspace_bytes=50, output_bytes=20, saves_input=True),
-             LayerCost(activation_bytes=300, workspace_bytes=120, output_bytes=5)]
-    kw = {"schedule": "gpipe", "microbatches": 1}
-    # one stage: 600 activations + layer 0's output (kept by layer 1) 10 + own output 5 = 615 per microbatch;
-    # backward: layer 2 120, layer 1 50 - 300, layer 0 900 - (200 + 300) = 400
-    assert evaluate_partition(costs, [3], **kw).stage_peak_bytes == (615 + 400,)
-    # stage 1 = layers 1, 2: 10 input buffer + 505 per microbatch + max(120, 50 - 300); stage 0: 10 + 110 + 900
-    assert evaluate_partition(costs, [1, 2], **kw).stage_peak_bytes == (10 + 110 + 900, 10 + 505 + 120)
-    # the optimizer step: the largest one-at-a-time step (2000) plus the foreach steps (300 + 400)
-    stepped = [replace(costs[0], step_bytes=2000), replace(costs[1], step_bytes=300, step_foreach=True),
-               replace(costs[2], step_bytes=400, step_foreach=True)]
-    assert evaluate_partition(stepped, [3], **kw).stage_peak_bytes == (2000 + 700,)
-    assert evaluate_partition(stepped, [1, 2], **kw).stage_peak_bytes == (10 + 2000, 10 + 700)
