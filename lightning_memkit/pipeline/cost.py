@@ -68,6 +68,7 @@ __all__ = [
     "stage_to_rank",
     "inflight_microbatches",
     "optimizer_state_bytes",
+    "optimizer_step_bytes",
     "allreduce_buffer_bytes",
     "static_cost",
     "measure_layer_costs",
@@ -91,10 +92,16 @@ class LayerCost:
         activation_bytes: bytes kept for backward per microbatch, excluding the layer's output and input.
         output_bytes: bytes of the layer's output per microbatch (what crosses a stage boundary).
         workspace_bytes: transient bytes while the layer runs backward (gradients of intermediates).
+        loss_workspace_bytes: transient bytes of the loss's backward that precedes the layer's own (the last
+            layer with a loss); ``workspace_bytes`` then covers the layer's own backward only.
         saves_input: whether the layer's backward needs its input (so the previous layer's output stays).
         saves_output: whether the layer's backward needs its own output.
         largest_grad_bytes: bytes of the layer's largest single gradient (at most ``grad_bytes``); a gradient
             larger than the data-parallel all-reduce bucket is reduced in a buffer of its own size.
+        step_bytes: transient bytes of the optimizer step over the layer's parameters
+            (:func:`optimizer_step_bytes`).
+        step_foreach: whether that step is a ``foreach`` step, whose temporaries of all parameters of a rank
+            coexist (they add up over layers); otherwise one parameter is updated at a time (the largest counts).
 
     Example::
 
@@ -109,15 +116,18 @@ class LayerCost:
     activation_bytes: int = 0
     output_bytes: int = 0
     workspace_bytes: int = 0
+    loss_workspace_bytes: int = 0
     saves_input: bool = False
     saves_output: bool = False
     largest_grad_bytes: int = 0
+    step_bytes: int = 0
+    step_foreach: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes",
-                     "workspace_bytes", "largest_grad_bytes"):
+                     "workspace_bytes", "loss_workspace_bytes", "largest_grad_bytes", "step_bytes"):
             check_int(getattr(self, name), name, minimum=0, owner="LayerCost")  # bytes
-        for name in ("saves_input", "saves_output"):
+        for name in ("saves_input", "saves_output", "step_foreach"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LayerCost({name}=...) must be a bool, got {type(getattr(self, name)).__name__}")
         if self.largest_grad_bytes > self.grad_bytes:
@@ -332,6 +342,71 @@ def optimizer_state_bytes(
     return total
 
 
+def _uses_foreach(p: torch.Tensor, group: dict[str, Any]) -> bool:
+    foreach = group.get("foreach")
+    if foreach is None:  # torch's default: foreach on CUDA, one parameter at a time elsewhere
+        return p.device.type == "cuda" and not group.get("fused") and not group.get("differentiable")
+    return bool(foreach)
+
+
+def optimizer_step_bytes(
+    params: torch.Tensor | Iterable[torch.Tensor],
+    optimizer: str | type | torch.optim.Optimizer = "adamw",
+    *,
+    foreach: bool | None = None,
+    **hyperparams: Any,
+) -> int:
+    """Peak temporary bytes that ``optimizer.step()`` allocates for ``params`` (state already created).
+
+    ``b_i`` are the bytes of the ``i``-th parameter that requires grad, in order. One parameter at a time
+    (``foreach=False``, torch's default off CUDA):
+
+    * Adam/AdamW: ``max_i(k * b_i + b_{i-1})``: the square root of ``exp_avg_sq`` and the denominator
+      (``k = 2``), plus a copy of the gradient (``k = 3``) with ``maximize`` or Adam's ``weight_decay``;
+      the previous parameter's denominator is still referenced (``b_{-1} = 0``).
+    * SGD: ``max_i(k * b_i)``, ``k = min(2, maximize + (weight_decay != 0) + nesterov)`` gradient copies.
+
+    ``foreach=True`` (torch's default on CUDA): Adam/AdamW ``sum_i b_i``; SGD ``sum_i b_i`` with ``maximize``
+    or ``weight_decay``, else 0. Other optimizers (and ``"none"``) are not modeled: 0. ``foreach=None``
+    picks torch's default for the parameters' device. With an instance, the hyperparameters and ``foreach``
+    come from each parameter's group, which is stepped separately.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_memkit.pipeline.cost import optimizer_step_bytes
+        >>> ps = [torch.nn.Parameter(torch.zeros(10, 10)), torch.nn.Parameter(torch.zeros(10))]
+        >>> optimizer_step_bytes(ps, "adamw"), optimizer_step_bytes(ps, "adamw", foreach=True)
+        (800, 440)
+    """
+    name = _optimizer_name(optimizer)
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"foreach must be a bool or None, got {type(foreach).__name__}")
+    params = [p for p in _unique(params) if p.requires_grad]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        ids = {id(p) for p in params}
+        groups = [(g, [p for p in g["params"] if id(p) in ids]) for g in optimizer.param_groups]
+    else:
+        groups = [({**hyperparams, "foreach": foreach}, params)]
+    return max((_group_step_bytes(name, g, ps) for g, ps in groups if ps), default=0)
+
+
+def _group_step_bytes(name: str, hp: dict[str, Any], params: list[torch.Tensor]) -> int:
+    sizes = [p.numel() * p.element_size() for p in params]
+    maximize = bool(hp.get("maximize", False))
+    decay = bool(hp.get("weight_decay", 0))
+    if _uses_foreach(params[0], hp):
+        if name in ("adam", "adamw") or (name == "sgd" and (maximize or decay)):
+            return sum(sizes)
+        return 0
+    if name in ("adam", "adamw"):
+        k = 3 if maximize or (name == "adam" and decay) else 2
+        return max(k * b + prev for b, prev in zip(sizes, [0, *sizes[:-1]]))
+    if name == "sgd":
+        return min(2, maximize + decay + bool(hp.get("nesterov", False))) * max(sizes)
+    return 0
+
+
 def allreduce_buffer_bytes(
     grad_bytes: int,
     largest_grad_bytes: int = 0,
@@ -391,6 +466,8 @@ def static_cost(
     """A :class:`LayerCost` with the static bytes of ``module``: parameters and buffers, gradients, optimizer state.
 
     ``optimizer`` may also be a list of optimizer instances (their states add up) or ``None`` (no state).
+    ``step_bytes`` is :func:`optimizer_step_bytes` of the module's parameters (``foreach`` may be among
+    ``hyperparams``).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -398,14 +475,22 @@ def static_cost(
     tensors = _unique([*params, *module.buffers()])
     param_bytes = sum(t.numel() * t.element_size() for t in tensors)
     grads = [p.numel() * p.element_size() for p in params if p.requires_grad]
+    step, foreach = 0, False
     if optimizer is None:
         opt_bytes = 0
     elif isinstance(optimizer, Sequence) and not isinstance(optimizer, str):
         opt_bytes = sum(optimizer_state_bytes(params, o, master_weights=master_weights) for o in optimizer)
+        step = max((optimizer_step_bytes(params, o) for o in optimizer), default=0)
+        foreach = any(_uses_foreach(p, g) for o in optimizer for g in o.param_groups for p in g["params"][:1])
     else:
         opt_bytes = optimizer_state_bytes(params, optimizer, master_weights=master_weights, **hyperparams)
+        step = optimizer_step_bytes(params, optimizer, **hyperparams)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            foreach = any(_uses_foreach(p, g) for g in optimizer.param_groups for p in g["params"][:1])
+        elif params:
+            foreach = _uses_foreach(params[0], hyperparams)
     return LayerCost(param_bytes=param_bytes, grad_bytes=sum(grads), optimizer_bytes=opt_bytes,
-                     largest_grad_bytes=max(grads, default=0))
+                     largest_grad_bytes=max(grads, default=0), step_bytes=step, step_foreach=foreach)
 
 
 # -- activation bytes -------------------------------------------------------------------------------------
@@ -427,20 +512,33 @@ def _fresh_input(x: Any) -> Any:
     return x
 
 
-def _backward_workspace(module: nn.Module, output: Any, loss: torch.Tensor | None) -> int:
-    """Peak bytes allocated by backward beyond what already exists (gradients preallocated, accumulated in place)."""
+def _backward_workspace(module: nn.Module, output: Any, loss: torch.Tensor | None, lp: LivePeak) -> tuple[int, int]:
+    """Peak bytes of the layer's backward and of the loss's before it, above those alive when backward starts.
+
+    ``lp`` tracked the forward, so the saved activations backward frees count against what it allocates;
+    gradients are preallocated and accumulated in place.
+    """
     params = [p for p in _unique(module.parameters()) if p.requires_grad]
     previous = [p.grad for p in params]
-    roots = [loss] if loss is not None else [t for t in iter_tensors(output) if t.requires_grad]
-    if not roots:
-        return 0
-    grads = None if loss is not None else [torch.ones_like(t) for t in roots]
+    outs = [t for t in iter_tensors(output) if t.requires_grad]
+    if not outs:
+        return 0, 0
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
-        with LivePeak() as lp:
-            torch.autograd.backward(roots, grads)
-        return lp.peak_bytes
+        seeds = [torch.ones_like(t) for t in outs] if loss is None else None
+        lp.reset_peak()
+        start = lp.live_bytes
+        loss_peak = 0
+        if loss is not None:  # the loss's backward down to the layer's output, then the layer's own
+            seeds = list(torch.autograd.grad(loss, outs, allow_unused=True))
+            loss_peak = max(0, lp.peak_bytes - start)
+            outs, seeds = zip(*[(t, g) for t, g in zip(outs, seeds) if g is not None]) if any(
+                g is not None for g in seeds) else ((), ())
+            lp.reset_peak()
+        if outs:
+            torch.autograd.backward(list(outs), list(seeds))
+        return max(0, lp.peak_bytes - start), loss_peak
     finally:
         for p, g in zip(params, previous):
             p.grad = g
@@ -463,10 +561,13 @@ def measure_layer_costs(
     it; a tuple is passed as positional arguments, as :class:`~lightning_memkit.pipeline.runtime.LayerChain`
     does) under :class:`~lightning_memkit.memory.saved_tensors.SavedTensorRecorder`, which reports the bytes
     kept for backward; then backward runs under :class:`~lightning_memkit.memory.LivePeak` to measure the
-    transient workspace. With ``loss_fn`` (called as ``loss_fn(last_output, target)``) the loss's saved
-    bytes and backward join the last layer. Gradients the measurement creates are removed again. With
-    ``device``, each layer moves there for its own measurement and back afterwards (so only one layer at a
-    time occupies the device); ``sample_input`` and ``target`` must already be there.
+    transient workspace: the peak above the bytes alive when backward starts, net of the saved activations
+    backward frees on the way (LivePeak also tracks the forward). With ``loss_fn`` (called as
+    ``loss_fn(last_output, target)``) the loss's saved bytes join the last layer, and its backward is measured
+    apart (``loss_workspace_bytes``), before the layer's own. Gradients the
+    measurement creates are removed again. With ``device``, each layer moves there for its own measurement
+    and back afterwards (so only one layer at a time occupies the device); ``sample_input`` and ``target``
+    must already be there.
 
     Example::
 
@@ -497,6 +598,7 @@ def measure_layer_costs(
             if device is not None:
                 layer.to(device)
             inp = _fresh_input(x)
+            lp = LivePeak().__enter__()
             with SavedTensorRecorder(layer) as rec:
                 out = layer(*inp) if isinstance(inp, tuple) else layer(inp)
                 rec.stop()
@@ -510,7 +612,10 @@ def measure_layer_costs(
                     loss_rec.stop()
                 loss_report = loss_rec.report(output=loss)
                 activation += loss_report.new_activation_bytes
-            workspace = _backward_workspace(layer, out, loss)
+            try:
+                workspace, loss_workspace = _backward_workspace(layer, out, loss, lp)
+            finally:
+                lp.__exit__(None, None, None)
             cost = static_cost(layer, optimizer, master_weights=master_weights, **hyperparams)
             costs.append(
                 replace(
@@ -518,6 +623,7 @@ def measure_layer_costs(
                     activation_bytes=activation,
                     output_bytes=unique_storage_bytes(out),
                     workspace_bytes=workspace,
+                    loss_workspace_bytes=loss_workspace,
                     saves_input=report.preexisting_bytes > 0,
                     saves_output=report.output_bytes > 0,
                 )

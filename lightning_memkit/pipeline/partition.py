@@ -6,16 +6,33 @@ A stage ``s`` that owns layers ``[a, b)`` is predicted to peak at::
   + M * output[a - 1]      (s > 0)       receive buffers: torch allocates one input buffer per microbatch
   + M * output[b - 1]      (s < N - 1)   and one buffer per microbatch for the gradient of its output
   + max(n_s * per_microbatch(a, b)       n_s = inflight_microbatches(schedule, ...)[s]
-        + max workspace over its layers, transient bytes of one layer's backward
-        allreduce(a, b))                 D > 1 replicas: the gradient all-reduce buffer before the step
+        + backward(a, b),                transient bytes of one layer's backward (below)
+        allreduce(a, b),                 D > 1 replicas: the gradient all-reduce buffer before the step
+        step(a, b))                      the optimizer step's temporaries
 
-where ``per_microbatch(a, b)`` adds the layers' ``activation_bytes``, the outputs that stay alive inside
-the stage (a layer saves its output or the next layer saves its input) and the stage's own output (held
-until its backward), and ``allreduce(a, b)`` is
-:func:`~lightning_memkit.pipeline.cost.allreduce_buffer_bytes` of the stage's gradients (``0`` for one
-replica, so ``data_parallel_size=1`` is the pipeline alone): the all-reduce runs after the last backward,
-when the activations are gone and the buffers and gradients are not. A rank's peak is the sum over its
-stages (exact for one stage per rank; for two, an upper bound of the rank's single all-reduce).
+where ``per_microbatch(a, b)`` adds the layers' ``activation_bytes``, the outputs that stay alive inside the
+stage (a layer saves its output or the next layer saves its input) and the stage's own output (held until its
+backward), and ``allreduce(a, b)`` is :func:`~lightning_memkit.pipeline.cost.allreduce_buffer_bytes` of the
+stage's gradients (``0`` for one replica, so ``data_parallel_size=1`` is the pipeline alone): the all-reduce
+runs after the last backward, when the activations are gone and the buffers and gradients are not.
+``backward(a, b)`` is the largest, over the stage's layers ``l``, of ``workspace_bytes[l]`` (or
+``loss_workspace_bytes[l]``) less the per-microbatch bytes of the layers after ``l`` (already freed by the
+backward of the microbatch, when ``l``'s runs). ``step(a, b)`` is the largest ``step_bytes`` of its layers
+plus the sum of those with ``step_foreach`` (see
+:func:`~lightning_memkit.pipeline.cost.optimizer_step_bytes`): the step runs after the reduction, with
+gradients and optimizer state alive and no activation (for Adam one at a time, the previous layer's last
+denominator, alive while a layer's first parameter is updated, is not counted).
+
+With ``sharded=True`` (PP x FSDP2, each layer one unit, as ``shard_stage_modules``), torch's ``PipelineStage``
+runs every backward without gradient reduction and without resharding, and reduce-scatters once after the
+last: a stage holds ``ceil((param + optimizer) / D)`` bytes per layer, full unsharded gradients during the
+backwards, and, when layer ``l`` runs backward, the gathered parameters of layers ``l..b-1`` (each layer's
+forward reshards it again, its backward gathers it) with a workspace of at least ``param_bytes[l]`` (the
+all-gather output while it is copied into the unsharded parameters); the step sees ``ceil(grad / D)`` sharded
+gradients and ``ceil(step / D)`` temporaries. Dimension-0 padding of uneven shards is not counted.
+
+A rank's peak is the sum over its stages (exact for one stage per rank; for two, an upper bound of the
+rank's single all-reduce).
 :func:`partition_layers` returns the contiguous split that minimizes the largest rank peak, exactly, by
 dynamic programming: left to right for one stage per rank (``O(N L^2)``), outside-in for the V order of
 ``zbv``/``dualpipev`` (rank ``r`` owns the ``r``-th stage from each end, ``O(P L^4)``), and two chunks
@@ -79,6 +96,7 @@ class Partition:
         schedule, microbatches, stages_per_rank: the pipeline the prediction is for.
         method: ``"memory"``, ``"uniform"``, ``"parameters"`` or ``"given"``.
         data_parallel_size: replicas of the pipeline whose gradients each rank averages (1: none).
+        sharded: whether each stage is sharded over the replicas (FSDP) rather than replicated (DDP).
     """
 
     sizes: tuple[int, ...]
@@ -91,6 +109,7 @@ class Partition:
     stages_per_rank: int
     method: str
     data_parallel_size: int = 1
+    sharded: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -131,7 +150,9 @@ def _prefix(values: Sequence[int]) -> torch.Tensor:
     return out
 
 
-def _check_dp(data_parallel_size, bucket_bytes, owner) -> tuple[int, int]:
+def _check_dp(data_parallel_size, bucket_bytes, owner, sharded=False) -> tuple[int, int]:
+    if not isinstance(sharded, bool):
+        raise TypeError(f"{owner}(sharded=...) must be a bool, got {type(sharded).__name__}")
     return (check_int(data_parallel_size, "data_parallel_size", minimum=1, owner=owner),
             check_int(bucket_bytes, "bucket_bytes", minimum=1, owner=owner))
 
@@ -161,12 +182,14 @@ def stage_cost_matrix(
     *,
     data_parallel_size: int = 1,
     bucket_bytes: int = _BUCKET_BYTES,
+    sharded: bool = False,
 ) -> torch.Tensor:
     """``C[a, b]``: predicted peak bytes of ``stage`` owning layers ``[a, b)`` (float64; ``inf`` where ``a >= b``).
 
-    ``data_parallel_size`` replicas average their gradients in all-reduce buckets of ``bucket_bytes``.
+    ``data_parallel_size`` replicas average their gradients in all-reduce buckets of ``bucket_bytes``, or, with
+    ``sharded``, each layer is an FSDP unit sharded over them (see the module doc).
     """
-    dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "stage_cost_matrix")
+    dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "stage_cost_matrix", sharded)
     layers = as_layer_costs(costs)
     n = len(layers)
     out = [c.output_bytes for c in layers]
@@ -184,19 +207,57 @@ def stage_cost_matrix(
     out_last = out_t[bm1.clamp(max=n - 1)].expand(n + 1, n + 1)
     per_mb = (act[b] - act[a]) + (kept_p[bm1] - kept_p[a.clamp(max=n)]).clamp(min=0) + out_last
     cost = static[b] - static[a]
+    params = _prefix([c.param_bytes for c in layers])
+    if sharded:  # parameter and optimizer shards, full (unsharded) gradients while the microbatches run backward
+        shards = _prefix([-(-(c.param_bytes + c.optimizer_bytes) // dp) + c.grad_bytes for c in layers])
+        cost = shards[b] - shards[a]
     if stage > 0:
         out_prev = out_t[(a - 1).clamp(min=0, max=n - 1)].expand(n + 1, n + 1)
         cost = cost + microbatches * torch.where(a > 0, out_prev, torch.zeros_like(out_prev))
     if stage < num_stages - 1:
         cost = cost + microbatches * out_last
-    training = inflight * per_mb + _range_max([c.workspace_bytes for c in layers])
-    if dp > 1:  # the all-reduce buffer: max(min(grads, bucket), largest gradient), see allreduce_buffer_bytes
+    training = inflight * per_mb + _backward_peak(layers, kept, act, kept_p, a, b, n, params if sharded else None)
+    if dp > 1 and not sharded:  # all-reduce buffer: max(min(grads, bucket), largest gradient), allreduce_buffer_bytes
         grads = _prefix([c.grad_bytes for c in layers])
         reduce = torch.maximum((grads[b] - grads[a]).clamp(max=bucket),
                                _range_max([c.largest_grad_bytes for c in layers]))
         training = torch.maximum(training, reduce)
+    single = _range_max([0 if c.step_foreach else c.step_bytes for c in layers])
+    grouped = _prefix([c.step_bytes if c.step_foreach else 0 for c in layers])
+    step = single + (grouped[b] - grouped[a]).clamp(min=0)
+    if sharded:  # the step updates shards: sharded gradients replace the full ones
+        grads = _prefix([c.grad_bytes for c in layers])
+        shard_grads = _prefix([-(-c.grad_bytes // dp) for c in layers])
+        step = -(-step // dp) + (shard_grads[b] - shard_grads[a]) - (grads[b] - grads[a])
+    training = torch.maximum(training, step)
     cost = cost + training
     return torch.where(valid, cost.double(), torch.full(cost.shape, _INF, dtype=torch.float64))
+
+
+def _backward_peak(layers, kept, act, kept_p, a, b, n, params=None) -> torch.Tensor:
+    """``max over l in [a, b)`` of layer ``l``'s workspace less the per-microbatch bytes of layers ``l+1..b-1``.
+
+    Those are their activations and the outputs kept inside the stage (layers ``l+1..b-2``); the stage's
+    own output stays counted. With ``params`` (prefix sums, FSDP), plus the gathered parameters of layers
+    ``l..b-1``, and the workspace is at least the layer's parameters (its all-gather buffer), except in the
+    loss's backward (``loss_workspace_bytes``), which runs before the layer is gathered.
+    """
+    ws = torch.tensor([c.workspace_bytes for c in layers], dtype=torch.int64)
+    loss_ws = torch.tensor([c.loss_workspace_bytes for c in layers], dtype=torch.int64)
+    gathered = torch.zeros(n + 1, dtype=torch.int64) if params is None else params
+    if params is not None:  # gathering layer l: the all-gather output next to its unsharded parameters
+        own = params[1:] - params[:-1]
+        ws = torch.maximum(ws, own)
+        loss_ws = loss_ws - own  # the loss's backward runs before layer l is gathered
+    ws = torch.maximum(ws, loss_ws)
+    # l < b - 1: ws[l] - (act[b] - act[l+1]) - (kept_p[b-1] - kept_p[l+1]) + gathered[b] - gathered[l]
+    q = ws + act[1:] + kept_p[1:] - gathered[:-1]
+    inner = _range_max(q.tolist())  # inner[a, c] = max q[a:c]
+    bm1 = (b - 1).clamp(min=0)
+    lower = inner[a.clamp(max=n), bm1.clamp(max=n)] - act[b] - kept_p[bm1] + gathered[b]
+    lower = torch.where(bm1 > a, lower, torch.full_like(lower, -(2**62)))
+    last = (ws + gathered[1:] - gathered[:-1])[bm1.clamp(max=n - 1)].expand(n + 1, n + 1)
+    return torch.maximum(lower, last).clamp(min=0)
 
 
 def _range_max(values: Sequence[int]) -> torch.Tensor:
@@ -209,16 +270,18 @@ def _range_max(values: Sequence[int]) -> torch.Tensor:
     return out
 
 
-def _matrices(layers, num_stages, inflight, microbatches, dp=1, bucket=_BUCKET_BYTES) -> list[torch.Tensor]:
+def _matrices(layers, num_stages, inflight, microbatches, dp=1, bucket=_BUCKET_BYTES, sharded=False
+              ) -> list[torch.Tensor]:
     return [
-        stage_cost_matrix(layers, s, num_stages, inflight[s], microbatches, data_parallel_size=dp, bucket_bytes=bucket)
+        stage_cost_matrix(layers, s, num_stages, inflight[s], microbatches, data_parallel_size=dp, bucket_bytes=bucket,
+                          sharded=sharded)
         for s in range(num_stages)
     ]
 
 
-def _finish(layers, boundaries, v, schedule, microbatches, inflight, ranks, method, dp=1, bucket=_BUCKET_BYTES
-            ) -> Partition:
-    mats = _matrices(layers, len(boundaries) - 1, inflight, microbatches, dp, bucket)
+def _finish(layers, boundaries, v, schedule, microbatches, inflight, ranks, method, dp=1, bucket=_BUCKET_BYTES,
+            sharded=False) -> Partition:
+    mats = _matrices(layers, len(boundaries) - 1, inflight, microbatches, dp, bucket, sharded)
     stage_peaks = tuple(int(mats[s][boundaries[s], boundaries[s + 1]]) for s in range(len(boundaries) - 1))
     num_ranks = (len(boundaries) - 1) // v
     rank_peaks = [0] * num_ranks
@@ -235,6 +298,7 @@ def _finish(layers, boundaries, v, schedule, microbatches, inflight, ranks, meth
         stages_per_rank=v,
         method=method,
         data_parallel_size=dp,
+        sharded=sharded,
     )
 
 
@@ -260,10 +324,11 @@ def evaluate_partition(
     method: str = "given",
     data_parallel_size: int = 1,
     bucket_bytes: int = _BUCKET_BYTES,
+    sharded: bool = False,
 ) -> Partition:
     """The :class:`Partition` (with predicted peaks) of a given split ``sizes`` (layers per stage).
 
-    ``data_parallel_size`` and ``bucket_bytes`` as in :func:`partition_layers`.
+    ``data_parallel_size``, ``bucket_bytes`` and ``sharded`` as in :func:`partition_layers`.
 
     Example::
 
@@ -275,9 +340,9 @@ def evaluate_partition(
         costs, len(sizes) if isinstance(sizes, Sequence) else 0, schedule, microbatches, stages_per_rank,
         owner="evaluate_partition",
     )
-    dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "evaluate_partition")
+    dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "evaluate_partition", sharded)
     bounds = _boundaries_from_sizes(sizes, len(layers))
-    return _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, method, dp, bucket)
+    return _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, method, dp, bucket, sharded)
 
 
 # -- exact minimax partition ------------------------------------------------------------------------------
@@ -401,6 +466,7 @@ def partition_layers(
     stages_per_rank: int | None = None,
     data_parallel_size: int = 1,
     bucket_bytes: int = _BUCKET_BYTES,
+    sharded: bool = False,
 ) -> Partition:
     """The contiguous split of ``costs`` into ``num_stages`` stages with the smallest largest per-rank peak.
 
@@ -417,6 +483,8 @@ def partition_layers(
             averaging its gradients allocates before the optimizer step.
         bucket_bytes: the gradient all-reduce bucket (25 MiB, as
             :func:`~lightning_memkit.pipeline.gradients.average_gradients`).
+        sharded: each layer is an FSDP2 unit sharded over the ``data_parallel_size`` replicas
+            (``data_parallel="fsdp"``) instead of replicated (DDP, the default); see the module doc.
 
     Example::
 
@@ -426,19 +494,19 @@ def partition_layers(
     """
     layers, v, microbatches, inflight, ranks = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank)
     check_int(max_bytes_per_rank, "max_bytes_per_rank", minimum=1, allow_none=True, owner="partition_layers")
-    dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "partition_layers")
+    dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "partition_layers", sharded)
     n, p = len(layers), num_stages // v
     if v > 2:
         raise ValueError(
             f"stages_per_rank={v}: the exact memory partition for 'interleaved_1f1b' supports 2 stages per rank; "
             "pass explicit sizes (evaluate_partition) or use stages_per_rank=2"
         )
-    mats = _matrices(layers, num_stages, inflight, microbatches, dp, bucket)
+    mats = _matrices(layers, num_stages, inflight, microbatches, dp, bucket, sharded)
     sched = schedule.lower()
     minimax = _Objective()
     best, _ = _solve(mats, n, p, v, sched, minimax)
     _, bounds = _solve(mats, n, p, v, sched, _Objective(cap=best, splits=minimax.splits))
-    result = _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, "memory", dp, bucket)
+    result = _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, "memory", dp, bucket, sharded)
     value = result.max_peak_bytes
     assert value == int(best), (value, best)
     if max_bytes_per_rank is not None and value > max_bytes_per_rank:
@@ -461,6 +529,7 @@ def uniform_partition(
     stages_per_rank: int | None = None,
     data_parallel_size: int = 1,
     bucket_bytes: int = _BUCKET_BYTES,
+    sharded: bool = False,
 ) -> Partition:
     """Equal layer counts per stage (the first ``L mod N`` stages get one more), scored with the memory model."""
     layers, *_ = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank, owner="uniform_partition")
@@ -468,7 +537,7 @@ def uniform_partition(
     sizes = [n // num_stages + (1 if s < n % num_stages else 0) for s in range(num_stages)]
     return evaluate_partition(
         layers, sizes, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank, method="uniform",
-        data_parallel_size=data_parallel_size, bucket_bytes=bucket_bytes,
+        data_parallel_size=data_parallel_size, bucket_bytes=bucket_bytes, sharded=sharded,
     )
 
 
@@ -481,6 +550,7 @@ def parameter_balanced_partition(
     stages_per_rank: int | None = None,
     data_parallel_size: int = 1,
     bucket_bytes: int = _BUCKET_BYTES,
+    sharded: bool = False,
 ) -> Partition:
     """The split with the smallest largest per-*stage* trainable-parameter bytes, scored with the memory model.
 
@@ -502,5 +572,5 @@ def parameter_balanced_partition(
     sizes = [bounds[s + 1] - bounds[s] for s in range(num_stages)]
     return evaluate_partition(
         layers, sizes, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
-        method="parameters", data_parallel_size=data_parallel_size, bucket_bytes=bucket_bytes,
+        method="parameters", data_parallel_size=data_parallel_size, bucket_bytes=bucket_bytes, sharded=sharded,
     )

@@ -424,9 +424,8 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         world = self.mesh_shape[1]  # ranks per pipeline
         num_stages = world * self.stages_per_rank
         check_microbatches(self.schedule, num_stages, self.microbatches, world)
-        replicated = self.mesh_shape[0] if self.config.data_parallel == "ddp" else 1  # all-reduce buffers
         kwargs = dict(schedule=self.schedule, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank,
-                      data_parallel_size=replicated)
+                      data_parallel_size=self.mesh_shape[0], sharded=self.config.data_parallel == "fsdp")
         optimizer = list(self.optimizers) or None
         previous = self.partition
         if previous is not None and previous.num_stages == num_stages and previous.boundaries[-1] == len(layers):

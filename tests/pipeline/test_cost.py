@@ -23,7 +23,7 @@ from lightning_memkit.pipeline import (
     stage_to_rank,
     static_cost,
 )
-from lightning_memkit.pipeline.cost import allreduce_buffer_bytes
+from lightning_memkit.pipeline.cost import allreduce_buffer_bytes, optimizer_step_bytes
 
 CLASSES = {
     "gpipe": S.ScheduleGPipe,
@@ -237,6 +237,8 @@ def test_loss_bytes_join_the_last_layer():
     with_loss = measure_layer_costs(layers, x, loss_fn=nn.functional.cross_entropy, target=y)[0]
     # cross_entropy keeps its log-softmax (6 x 50 fp32) and nll_loss's fp32 total_weight scalar for backward
     assert with_loss.activation_bytes - bare.activation_bytes == 6 * 50 * 4 + 4
+    # the loss's backward (gradients of the log-softmax and of the logits, 6 x 50 fp32 each) is measured apart
+    assert (bare.loss_workspace_bytes, with_loss.loss_workspace_bytes) == (0, 2 * 6 * 50 * 4)
     assert with_loss.workspace_bytes > 0
     with pytest.raises(ValueError, match="pass loss_fn and target together"):
         measure_layer_costs(layers, x, loss_fn=nn.functional.cross_entropy)
@@ -258,3 +260,70 @@ def test_layer_cost_validation():
         resolve_stages_per_rank("zbv", 3)
     with pytest.raises(ValueError, match=r"inflight_microbatches\(microbatches=0\): must be an int >= 1"):
         inflight_microbatches("1f1b", 2, 0)
+
+
+_STEP_SHAPES = [[(10, 10)], [(16, 16), (64, 32)], [(64, 32), (64, 32)], [(3,), (64, 32), (5,), (7,)]]
+_STEP_OPTIMIZERS = [
+    (torch.optim.AdamW, {}), (torch.optim.Adam, {}), (torch.optim.Adam, {"weight_decay": 0.1}),
+    (torch.optim.Adam, {"amsgrad": True}), (torch.optim.AdamW, {"maximize": True}),
+    (torch.optim.SGD, {"momentum": 0.9}), (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}),
+    (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+    (torch.optim.SGD, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
+    (torch.optim.AdamW, {"foreach": True}), (torch.optim.Adam, {"foreach": True, "weight_decay": 0.1}),
+    (torch.optim.SGD, {"momentum": 0.9, "foreach": True}),
+    (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1, "foreach": True}),
+]
+
+
+@pytest.mark.parametrize("shapes", _STEP_SHAPES, ids=str)
+@pytest.mark.parametrize(("cls", "hp"), _STEP_OPTIMIZERS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_optimizer_step_bytes_equal_the_live_peak_of_step(cls, hp, shapes):
+    params = [nn.Parameter(torch.randn(*s)) for s in shapes]
+    opt = cls(params, lr=1e-3, **hp)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # creates the state
+    with LivePeak() as lp:
+        opt.step()
+    assert optimizer_step_bytes(params, opt) == lp.peak_bytes
+    assert optimizer_step_bytes(params, cls, **hp) == lp.peak_bytes
+
+
+def test_optimizer_step_bytes_rules():
+    big, small = nn.Parameter(torch.zeros(64, 32)), nn.Parameter(torch.zeros(16, 16))  # 8192 and 1024 bytes
+    # AdamW, one parameter at a time: 2 temporaries of the parameter + the previous parameter's denominator
+    assert optimizer_step_bytes([small, big], "adamw") == 2 * 8192 + 1024
+    assert optimizer_step_bytes([big, small], "adamw") == 2 * 8192
+    assert optimizer_step_bytes([small, big], "adam", weight_decay=0.1) == 3 * 8192 + 1024
+    assert optimizer_step_bytes([small, big], "adamw", foreach=True) == 8192 + 1024
+    assert optimizer_step_bytes([small, big], "sgd", momentum=0.9) == 0
+    assert optimizer_step_bytes([small, big], "sgd", weight_decay=0.1, nesterov=True, maximize=True) == 2 * 8192
+    assert optimizer_step_bytes([small, big], "adagrad") == 0  # not modeled
+    assert optimizer_step_bytes([nn.Parameter(torch.zeros(3), requires_grad=False)], "adamw") == 0
+    with pytest.raises(TypeError, match="foreach must be a bool or None, got str"):
+        optimizer_step_bytes([big], "adamw", foreach="yes")
+    cost = static_cost(nn.Linear(32, 64), "adamw")  # weight 8192 bytes, then bias 256
+    assert (cost.step_bytes, cost.step_foreach) == (2 * 8192, False)
+    assert static_cost(nn.Linear(32, 64), "adamw", foreach=True).step_foreach
+    with pytest.raises(TypeError, match=r"LayerCost\(step_foreach=...\) must be a bool"):
+        LayerCost(step_foreach=1)
+
+
+def test_workspace_is_net_of_the_activations_backward_frees():
+    """A Linear -> GELU -> Linear block: the backward's peak above what is alive when it starts."""
+    block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    cost = measure_layer_costs([block], x)[0]
+    for p in block.parameters():
+        p.grad = torch.zeros_like(p)
+    with LivePeak() as lp:
+        out = block(x)
+        seed = torch.ones_like(out)
+        lp.reset_peak()
+        start = lp.live_bytes
+        out.backward(seed)
+    assert cost.workspace_bytes == lp.peak_bytes - start
+    out = block(x)
+    with LivePeak() as gross:  # sees what backward allocates, not the saved activations it frees
+        out.backward(seed)
+    assert cost.workspace_bytes < gross.peak_bytes

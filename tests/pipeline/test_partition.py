@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -195,3 +196,47 @@ def test_bad_input():
         partition_layers([1] * 9, 9, schedule="interleaved_1f1b", stages_per_rank=3, microbatches=3)
     with pytest.raises(TypeError, match="costs must be a sequence"):
         partition_layers(5, 1)
+
+
+def test_backward_workspace_is_net_of_the_later_layers_and_the_step_is_a_phase():
+    """A layer's backward runs after the later layers of its stage freed their per-microbatch bytes."""
+    costs = [LayerCost(activation_bytes=100, workspace_bytes=900, output_bytes=10),
+             LayerCost(activation_bytes=200, workspace_bytes=50, output_bytes=20, saves_input=True),
+             LayerCost(activation_bytes=300, workspace_bytes=120, output_bytes=5)]
+    kw = {"schedule": "gpipe", "microbatches": 1}
+    # one stage: 600 activations + layer 0's output (kept by layer 1) 10 + own output 5 = 615 per microbatch;
+    # backward: layer 2 120, layer 1 50 - 300, layer 0 900 - (200 + 300) = 400
+    assert evaluate_partition(costs, [3], **kw).stage_peak_bytes == (615 + 400,)
+    # stage 1 = layers 1, 2: 10 input buffer + 505 per microbatch + max(120, 50 - 300); stage 0: 10 + 110 + 900
+    assert evaluate_partition(costs, [1, 2], **kw).stage_peak_bytes == (10 + 110 + 900, 10 + 505 + 120)
+    # the optimizer step: the largest one-at-a-time step (2000) plus the foreach steps (300 + 400)
+    stepped = [replace(costs[0], step_bytes=2000), replace(costs[1], step_bytes=300, step_foreach=True),
+               replace(costs[2], step_bytes=400, step_foreach=True)]
+    assert evaluate_partition(stepped, [3], **kw).stage_peak_bytes == (2000 + 700,)
+    assert evaluate_partition(stepped, [1, 2], **kw).stage_peak_bytes == (10 + 2000, 10 + 700)
+
+
+def test_sharded_stages_hold_shards_full_gradients_and_the_gathered_layers():
+    """FSDP: (param + optimizer) / D, full gradients in backward, gathered layers l..b-1 when layer l runs backward."""
+    costs = [LayerCost(param_bytes=400, grad_bytes=400, optimizer_bytes=801, activation_bytes=100, workspace_bytes=50,
+                       output_bytes=10),
+             LayerCost(param_bytes=200, grad_bytes=200, optimizer_bytes=400, activation_bytes=300, workspace_bytes=450,
+                       output_bytes=5, step_bytes=400)]
+    kw = {"schedule": "gpipe", "microbatches": 1, "data_parallel_size": 2}
+    shards = (400 + 801 + 1) // 2 + 400 + (200 + 400) // 2 + 200  # ceil per layer, plus full gradients
+    # per microbatch 100 + 300 + own output 5 = 405; layer 1: 450 + gathered 200 = 650; layer 0: max(50, its 400
+    # all-gather) - 300 freed + gathered 400 + 200 = 700; step: 400 / 2 + sharded gradients 300 - full ones 600
+    part = evaluate_partition(costs, [2], sharded=True, **kw)
+    assert (part.predicted_peak_bytes, part.sharded) == ((shards + 405 + 700,), True)
+    # replicated (DDP): full static, the all-reduce buffer of 600 bytes below 405 + workspace 450
+    assert evaluate_partition(costs, [2], **kw).predicted_peak_bytes == (2401 + 405 + 450,)
+    big_step = [costs[0], replace(costs[1], step_bytes=6000)]
+    assert evaluate_partition(big_step, [2], sharded=True, **kw).predicted_peak_bytes == (
+        shards + 3000 + 300 - 600,)
+    assert partition_layers(costs, 1, sharded=True, **kw) == replace(part, method="memory")
+    # a loss's backward on the last layer runs before that layer is gathered: 900 instead of 900 + 200
+    lossy = [costs[0], replace(costs[1], loss_workspace_bytes=900)]
+    assert evaluate_partition(lossy, [2], sharded=True, **kw).predicted_peak_bytes == (shards + 405 + 900,)
+    assert evaluate_partition(lossy, [2], **kw).predicted_peak_bytes == (2401 + 405 + 900,)
+    with pytest.raises(TypeError, match=r"evaluate_partition\(sharded=...\) must be a bool, got int"):
+        evaluate_partition(costs, [2], sharded=1, **kw)
