@@ -326,7 +326,8 @@ class ActivationCheckpointing(Callback):
                 f"{len(own)} chosen layers ({', '.join(own[:3])}{', ...' if len(own) > 3 else ''}) already recompute "
                 "themselves (Hugging Face activation_checkpointing_enable() or gradient_checkpointing_enable(), or "
                 "torch's checkpoint_wrapper: FSDPStrategy(activation_checkpointing_policy=...), "
-                "apply_activation_checkpointing in configure_model); remove that or ActivationCheckpointing"
+                "apply_activation_checkpointing in configure_model); call model.activation_checkpointing_disable() "
+                "(Hugging Face), drop the wrapper or policy, or remove ActivationCheckpointing"
             )
         self._check_units(chosen)
         return [(_clean_name(name), m) for name, m in chosen]
