@@ -37,6 +37,23 @@ def _seed():
     torch.manual_seed(0)
 
 
+_LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _launch_variables_restored():
+    """Lightning's launcher writes LOCAL_RANK, MASTER_PORT, ... into this process during an in-process fit on
+    several devices; left there, a later test's `memkit fit` subprocess would think its ranks are already
+    launched and wait for a rank that never starts."""
+    before = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(autouse=True)
 def _no_live_peak_left_open():
     """Fail the test that leaves a ``LivePeak`` installed, not whichever test happens to run next."""
