@@ -4,9 +4,6 @@ ModelParallelStrategy with ``fully_shard`` (FSDP2): two gloo ranks on CPU, run b
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +19,6 @@ from lightning_memkit.ops.padded_index_gather import padded_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
-PYPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 KINDS = [pytest.param("fsdp", marks=pytest.mark.slow), "model_parallel"]
 _RUNS: dict[tuple[str, str], list[dict]] = {}
 
@@ -33,22 +29,10 @@ def _run(kind: str, scenario: str, tmp_path_factory) -> list[dict]:
     """Both ranks' results of one worker scenario (run once per session)."""
     if (kind, scenario) in _RUNS:
         return _RUNS[kind, scenario]
-    out, port = tmp_path_factory.mktemp(f"{kind}_{scenario}"), ranks.free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=PYPATH, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), kind, scenario, str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0 and f"rank {rank} ok" in log, log[-4000:]
+    out = tmp_path_factory.mktemp(f"{kind}_{scenario}")
+    procs = ranks.launch(WORKER, [kind, scenario, str(out)], 2, OMP_NUM_THREADS="1")
+    for rank, (code, log) in enumerate(ranks.wait(procs, 480, f"{kind} {scenario} run")):
+        assert code == 0 and f"rank {rank} ok" in log, log[-4000:]
     _RUNS[kind, scenario] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return _RUNS[kind, scenario]
 

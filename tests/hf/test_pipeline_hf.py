@@ -38,7 +38,7 @@ from lightning_memkit.pipeline.runtime import TUPLES_SINCE, LayerChain  # noqa: 
 from lightning_memkit.strategies import MemkitPipelineStrategy, load_pipeline_state_dict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-PYPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+PYPATH = ranks.PYPATH
 WORKER = Path(__file__).with_name("_pipeline_hf_worker.py")
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, vocab_size=256)
@@ -316,28 +316,6 @@ def test_example_config_trains_on_two_processes(tmp_path):
 # -- two ranks -----------------------------------------------------------------------------------------------
 
 
-def _launch(out: Path) -> list[subprocess.Popen]:
-    port = ranks.free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=PYPATH)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    return procs
-
-
-def _wait(procs: list[subprocess.Popen], t0: float, limit: float) -> None:
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, limit - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the 2-rank Hugging Face pipeline did not finish in time (hang)")
-        assert p.returncode == 0, out[-4000:]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(TorchVersion(torch.__version__) < TUPLES_SINCE, reason=f"needs torch >= {TUPLES_SINCE}")
@@ -350,7 +328,7 @@ def test_two_ranks_train_hf_models_as_a_single_process_trainer(tmp_path):
     plain Trainer, then a validation batch of 7 rows (microbatches of 2, 2, 2, 1).
     """
     t0 = time.monotonic()
-    procs = _launch(tmp_path)
+    procs = ranks.launch(WORKER, [str(tmp_path)], 2)
     try:
         sys.path.insert(0, str(WORKER.parent))
         import _pipeline_hf_worker as worker
@@ -359,7 +337,8 @@ def test_two_ranks_train_hf_models_as_a_single_process_trainer(tmp_path):
         reference = {name: worker.reference(name) for name in ("llama", "qwen3_moe", "gpt_oss", "llama_tied")}
     finally:
         sys.path.remove(str(WORKER.parent))
-        _wait(procs, t0, 150)
+        for code, out in ranks.wait(procs, 150 - (time.monotonic() - t0), "Hugging Face pipeline"):
+            assert code == 0, out[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert r0 == r1  # both ranks log the same (broadcast) values
     for name in ("llama", "qwen3_moe", "gpt_oss", "llama_tied"):

@@ -33,7 +33,7 @@ from lightning_memkit.pipeline.checkpoint import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-PYPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+PYPATH = ranks.PYPATH
 WORKER = Path(__file__).with_name("_pipeline_crash_worker.py")
 CRASH = 77  # exit code of a rank killed on purpose (as in the worker)
 PHASES = ("before_shard", "mid_shard", "after_shards", "mid_manifest")
@@ -319,14 +319,7 @@ def test_saving_over_a_legacy_checkpoint_replaces_it(tmp_path):
 
 
 def _launch(out: Path, *args: str) -> list[subprocess.Popen]:
-    port = ranks.free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=PYPATH)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return procs
+    return ranks.launch(WORKER, [str(out), *args], 2)
 
 
 

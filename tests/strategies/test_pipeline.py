@@ -22,7 +22,7 @@ import lightning_memkit
 from lightning_memkit.strategies import MemkitPipelineStrategy
 
 ROOT = Path(__file__).resolve().parents[2]
-PYPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what is installed
+PYPATH = ranks.PYPATH
 WORKER = Path(__file__).with_name("_pipeline_strategy_worker.py")
 
 
@@ -135,22 +135,8 @@ def test_example_config_builds_the_strategy_through_lightning_cli(tmp_path):
 
 def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
     """TinyLM on 2 ranks: the same losses as plain training, identical losses after resume, clear errors."""
-    port = ranks.free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=PYPATH)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    t0 = time.monotonic()
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, 150 - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the 2-process fit did not finish in time (hang)")
-        assert p.returncode == 0, out[-4000:]
+    for code, out in ranks.wait(ranks.launch(WORKER, [str(tmp_path)], 2), 150, "fit"):
+        assert code == 0, out[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     ref = r0.pop("reference")
     assert {k: r0[k] for k in r1} == r1  # both ranks log the same (broadcast) values
