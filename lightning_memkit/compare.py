@@ -168,11 +168,9 @@ class Comparison:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        from rich.console import Console
+        from lightning_memkit.memory.report import render_text
 
-        console = Console(width=120, record=True, file=_NullIO())
-        console.print(self.table())
-        return console.export_text().rstrip() + "\n" + self.summary()
+        return render_text(self.table()).rstrip() + "\n" + self.summary()
 
     def plot(self, path: str | Path) -> Path:
         """A grouped bar chart of both peaks per phase (MiB), the ratio above each pair; returns ``path``."""
@@ -200,14 +198,6 @@ class Comparison:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
-
-
-class _NullIO:
-    def write(self, s: str) -> int:
-        return len(s)
-
-    def flush(self) -> None:
-        pass
 
 
 def _class_name(entry: Any) -> str | None:

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torchmetrics import MaxMetric, MeanMetric
 
 from lightning_memkit.memory import LivePeak, resolve_device
-from lightning_memkit.memory.report import StaticMemoryTable, static_memory_table
+from lightning_memkit.memory.report import StaticMemoryTable, render_text, static_memory_table
 from lightning_memkit.memory.storage import format_bytes
 from lightning_memkit.report import memory_effects
 from lightning_memkit.validation import check_int
@@ -266,11 +266,7 @@ class PeakMemoryMonitor(Callback):
         return table
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        console = Console(width=100, record=True, file=_NullIO())
-        console.print(self.table())
-        return console.export_text()
+        return render_text(self.table(), width=100)
 
     # -- internals ---------------------------------------------------------------------------------
     def _record(self, trainer: Trainer, step_peak: int, allocated: int | None) -> None:
@@ -415,14 +411,6 @@ def _plot_timeline(path: str, samples: list[int], marks: list[tuple[int, str]]) 
         fig.savefig(path, dpi=100, bbox_inches="tight")
     finally:
         plt.close(fig)
-
-
-class _NullIO:
-    def write(self, s: str) -> int:
-        return len(s)
-
-    def flush(self) -> None:
-        pass
 
 
 def _no_pending() -> dict:

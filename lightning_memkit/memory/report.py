@@ -41,7 +41,9 @@ from torch import nn
 
 from lightning_memkit.memory.storage import format_bytes, storage_key, storage_of, tensors_in, unique_storage_bytes
 
-__all__ = ["MemoryRow", "StaticMemoryTable", "static_memory_table", "parameter_storage_bytes", "logical_numel"]
+__all__ = [
+    "MemoryRow", "StaticMemoryTable", "static_memory_table", "render_text", "parameter_storage_bytes", "logical_numel",
+]
 
 
 @dataclass
@@ -115,11 +117,7 @@ class StaticMemoryTable:
         return table
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        console = Console(width=160, record=True, file=_NullIO())
-        console.print(self.table())
-        return console.export_text()
+        return render_text(self.table(), width=160)
 
     def summary(self) -> str:
         """One line: the total in bytes and its parts."""
@@ -130,12 +128,15 @@ class StaticMemoryTable:
                 f"optimizer state {optimizer} ({self.optimizer_source})")
 
 
-class _NullIO:
-    def write(self, s: str) -> int:
-        return len(s)
+def render_text(renderable: Any, width: int = 120) -> str:
+    """``renderable`` (a ``rich`` table, say) as plain text ``width`` columns wide, printed nowhere."""
+    import io
 
-    def flush(self) -> None:
-        pass
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
 
 
 # -- per-parameter accounting -----------------------------------------------------------------------------
