@@ -546,9 +546,7 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         """``value`` (equal on the ranks of one pipeline) averaged over the pipeline replicas."""
         if self.mesh_shape[0] == 1:
             return value
-        value = value.detach().clone()
-        torch.distributed.all_reduce(value, group=self.mesh["dp"].get_group())
-        return value / self.mesh_shape[0]
+        return self.reduce(value.detach(), group=self.mesh["dp"].get_group(), reduce_op="mean")
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Lightning's step, after the gradients are averaged over the replicas and clipped by the global norm.
