@@ -21,6 +21,7 @@ __all__ = [
     "device_total_memory",
     "effective_device_memory",
     "memory_fraction",
+    "free_device_memory",
 ]
 
 _KNOWN = ("cpu", "cuda", "xpu", "mps")
@@ -131,3 +132,52 @@ def effective_device_memory(device: torch.device | str | int | None = None) -> i
     if total is None:
         return None
     return int(total * memory_fraction(device))
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_free() -> int | None:
+    limit = _cgroup_limit()
+    if limit is None:
+        return None
+    for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
+        try:
+            return max(0, limit - int(Path(path).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def free_device_memory(device: torch.device | str | int | None = None) -> int | None:
+    """Bytes a new allocation could still take on the device now, or ``None`` when it cannot be known.
+
+    cuda: the driver's free memory plus what PyTorch's cache holds unused, within the per-process
+    fraction; cpu: ``MemAvailable`` of ``/proc/meminfo``, and no more than the cgroup leaves.
+
+    Example::
+
+        >>> free_device_memory("cpu") is None or free_device_memory("cpu") > 0
+        True
+    """
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _total = torch.cuda.mem_get_info(dev)
+        allocated = torch.cuda.memory_allocated(dev)
+        cached = torch.cuda.memory_reserved(dev) - allocated
+        allowed = effective_device_memory(dev)
+        budget = free + cached
+        return int(min(budget, allowed - allocated)) if allowed is not None else int(budget)
+    if dev.type != "cpu":
+        return None
+    values = [v for v in (_meminfo_available(), _cgroup_free()) if v is not None]
+    return min(values) if values else None

@@ -27,6 +27,8 @@ __all__ = [
     "check_backend",
     "check_target",
     "auto_rows",
+    "chunk_budget",
+    "budget_rows",
     "check_chunk_size",
     "grad_base_scale",
     "torch_rows",
@@ -117,8 +119,8 @@ def check_chunk_size(chunk_size) -> None:
 def auto_rows(
     chunk_size, n_rows: int, n_classes: int, device: torch.device, buffers: int = 1, budget: int | None = None
 ) -> int:
-    """Rows per chunk: ``chunk_size`` if an int; for ``"auto"``, rows of fp32 logits filling
-    ``min(cap, max(1 MiB, budget))`` bytes, with ``cap`` from :data:`AUTO_CHUNK_BYTES` (16 MiB on CPU).
+    """Rows per chunk of :func:`cross_entropy`: ``chunk_size`` if an int; for ``"auto"``, rows of fp32 logits
+    filling ``min(cap, max(1 MiB, budget))`` bytes, with ``cap`` from :data:`AUTO_CHUNK_BYTES` (16 MiB on CPU).
 
     ``buffers`` is how many ``(rows, V)`` fp32 buffers a chunk needs (2 with softcap on the PyTorch
     path); "auto" divides its bytes by it. Rows >= 32 are rounded down to a multiple of 16. The
@@ -128,11 +130,49 @@ def auto_rows(
         nbytes = AUTO_CHUNK_BYTES.get(device.type, _DEFAULT_CHUNK_BYTES)
         if budget is not None:
             nbytes = min(nbytes, max(MIN_AUTO_CHUNK_BYTES, budget))
-        rows = max(1, nbytes // max(1, buffers) // (4 * max(1, n_classes)))
-        if rows >= 32:
-            rows -= rows % 16
-    else:
-        rows = int(chunk_size)
+        return budget_rows(nbytes // max(1, buffers), 4 * max(1, n_classes), n_rows)
+    return max(1, min(int(chunk_size), n_rows))
+
+
+# linear_cross_entropy's "auto" chunk: its working buffers may take this fraction of the gradients dW + dx that
+# the op produces anyway, and no more than FREE_FRACTION of the device's free memory (measured choices, see
+# docs/cross_entropy.md: 1/3 keeps a step at or under Cut Cross-Entropy's time on CPU; 1/10 keeps
+# reduction="none" at or under torch's chunked overhead)
+GRADIENT_FRACTION = {"mean": 1 / 3, "sum": 1 / 3, "none": 1 / 10}
+FREE_FRACTION = 1 / 4
+
+
+def chunk_budget(gradient_bytes: int, reduction: str, free_bytes: int | None) -> int:
+    """Bytes the chunk buffers of :func:`linear_cross_entropy` may use under ``chunk_size="auto"``.
+
+    ``GRADIENT_FRACTION[reduction] * gradient_bytes`` (the bytes of ``dW + dx``), at most
+    ``FREE_FRACTION * free_bytes`` when the free memory is known, and at least 1 MiB.
+
+    Example::
+
+        >>> chunk_budget(300 * 2**20, "mean", free_bytes=None) // 2**20
+        100
+        >>> chunk_budget(300 * 2**20, "mean", free_bytes=80 * 2**20) // 2**20  # a quarter of what is free
+        20
+    """
+    nbytes = GRADIENT_FRACTION[reduction] * gradient_bytes
+    if free_bytes is not None:
+        nbytes = min(nbytes, FREE_FRACTION * free_bytes)
+    return int(max(MIN_AUTO_CHUNK_BYTES, nbytes))
+
+
+def budget_rows(nbytes: int, row_bytes: int, n_rows: int) -> int:
+    """How many rows of ``row_bytes`` fit ``nbytes``: rounded down to a multiple of 16 from 32 rows up, and
+    clamped to ``[1, n_rows]``.
+
+    Example::
+
+        >>> budget_rows(100 * 2**20, 4 * 128256, n_rows=4096)
+        192
+    """
+    rows = max(1, nbytes // max(1, row_bytes))
+    if rows >= 32:
+        rows -= rows % 16
     return max(1, min(rows, n_rows))
 
 

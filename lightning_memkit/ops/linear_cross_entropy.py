@@ -8,9 +8,16 @@ Design (measured in ``benchmarks/bench_cross_entropy.py``):
 
 * ``reduction="mean"``/``"sum"``: the gradients for ``hidden``, ``weight`` and ``bias`` are built
   chunk by chunk during forward (Liger style) into their final buffers, ``weight``/``bias``
-  accumulating in ``accum_dtype`` (fp32). Backward only scales them *in place* by the upstream
+  accumulating in ``accum_dtype`` (the weight's dtype by default; each chunk's product is formed in
+  fp32 and rounded once into it). Backward only scales them *in place* by the upstream
   scalar gradient, so the peak is ``dW + dx + one chunk`` and no second copy of the gradients is
   made (``F.linear_cross_entropy``'s chunked path allocates the scaled gradients anew).
+* Chunk size (``chunk_size="auto"``): the chunk's buffers get a memory budget, a fraction of the
+  gradient bytes ``dW + dx`` bounded by a fraction of the device's free memory
+  (:func:`~lightning_memkit.ops._cross_entropy_common.chunk_budget`); ``chunk_bytes`` overrides the
+  budget and an integer ``chunk_size`` the rows.
+* fp16/bf16 on CPU: the matmuls run in fp32 on fp32 copies of one chunk of ``hidden`` and one slab
+  of ``weight`` rows at a time (CPUs without native bf16 matmul run them 4x to 100x slower in bf16).
 * ``reduction="none"``: ``dW`` depends on the per-token upstream gradients, so forward keeps only
   the per-token log-sum-exp and backward recomputes the logits chunk by chunk.
 * No host syncs (except the optional target check, ``validate=True``). Inside ``torch.compile`` the
@@ -31,21 +38,26 @@ Example::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.autograd.function import once_differentiable
 
+from lightning_memkit.memory.device import free_device_memory
 from lightning_memkit.ops._cross_entropy_common import (
     CrossEntropyOptions,
-    auto_rows,
+    budget_rows,
     check_backend,
     check_chunk_size,
     check_target,
+    chunk_budget,
     grad_base_scale,
     reduce_loss,
     torch_rows,
     triton_kernels,
 )
 from lightning_memkit.ops.cross_entropy import _kernel_args, _scale_for_backward, check_logits_target
+from lightning_memkit.validation import check_int
 
 __all__ = ["linear_cross_entropy"]
 
@@ -73,23 +85,36 @@ def _addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 class _Chunker:
     """The per-chunk work shared by forward and the ``reduction="none"`` backward."""
 
-    def __init__(self, x, weight, bias, target, o, backend, rows, accum_dtype):
+    def __init__(self, x, weight, bias, target, o, backend, plan, accum_dtype):
         self.x, self.w, self.b, self.t, self.o = x, weight, bias, target, o
-        self.backend, self.rows, self.accum_dtype = backend, rows, accum_dtype
+        self.backend, self.rows, self.slab, self.accum_dtype = backend, plan.rows, plan.slab, accum_dtype
         n, v = x.shape[0], weight.shape[0]
         dev = x.device
         # Triton works on logits in the compute dtype; the PyTorch path on an fp32 chunk.
         zdtype = x.dtype if backend == "triton" else torch.float32
-        self.buf = torch.empty(min(rows, max(n, 1)), v, dtype=zdtype, device=dev)
+        self.buf = torch.empty(min(self.rows, max(n, 1)), v, dtype=zdtype, device=dev)
         self.keep = None
         if backend == "torch" and o.softcap is not None:
             self.keep = torch.empty_like(self.buf)
         self.kargs = _kernel_args(o)
+        self.xf = None  # the current chunk of x in fp32 (upcast path)
+
+    def _slabs(self):
+        v = self.w.shape[0]
+        for s in range(0, v, self.slab):
+            e = min(s + self.slab, v)
+            yield s, e, self.w[s:e].float()
 
     def logits(self, a: int, b: int) -> torch.Tensor:
         z = self.buf[: b - a]
         xc = self.x[a:b]
-        if z.dtype == xc.dtype:
+        if self.slab:  # fp16/bf16 on CPU: fp32 matmuls, one slab of weight rows at a time
+            self.xf = xc.float()
+            for s, e, wf in self._slabs():
+                torch.mm(self.xf, wf.t(), out=z[:, s:e])
+            if self.b is not None:
+                z.add_(self.b)
+        elif z.dtype == xc.dtype:
             if self.b is not None:
                 torch.addmm(self.b.to(z.dtype), xc, self.w.t(), out=z)
             else:
@@ -118,16 +143,33 @@ class _Chunker:
 
     def accumulate(self, g, a, b, dx, dw, db) -> None:
         """Turn the chunk gradient ``g`` (``dloss/dlogits``) into its share of ``dx``, ``dW``, ``db``."""
-        xc = self.x[a:b]
-        if dx is not None:
-            if g.dtype == self.w.dtype:
-                torch.mm(g, self.w, out=dx[a:b])
-            else:
-                dx[a:b] = torch.mm(g.to(self.w.dtype), self.w)
-        if dw is not None:
-            _addmm_into(dw, g.t(), xc)
+        if self.slab:
+            self._accumulate_upcast(g, a, b, dx, dw)
+        else:
+            xc = self.x[a:b]
+            if dx is not None:
+                if g.dtype == self.w.dtype:
+                    torch.mm(g, self.w, out=dx[a:b])
+                else:
+                    dx[a:b] = torch.mm(g.to(self.w.dtype), self.w)
+            if dw is not None:
+                _addmm_into(dw, g.t(), xc)
         if db is not None:
-            db.add_(g.sum(0, dtype=db.dtype))
+            db.add_(g.sum(0, dtype=torch.float32))
+
+    def _accumulate_upcast(self, g, a, b, dx, dw) -> None:
+        dxf = torch.zeros(b - a, self.x.shape[1], dtype=torch.float32, device=g.device) if dx is not None else None
+        for s, e, wf in self._slabs():
+            gs = g[:, s:e]
+            if dxf is not None:
+                dxf.addmm_(gs, wf)
+            if dw is not None:
+                if dw.dtype == torch.float32:
+                    dw[s:e].addmm_(gs.t(), self.xf)
+                else:  # formed in fp32, rounded once into dW's dtype
+                    dw[s:e].add_(torch.mm(gs.t(), self.xf))
+        if dxf is not None:
+            dx[a:b] = dxf
 
 
 def _buffers(x, weight, bias, accum_dtype, need):
@@ -147,7 +189,7 @@ def _finish(dw, db, weight, bias):
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, o, backend, rows, accum_dtype, grad_enabled):
+    def forward(ctx, hidden, weight, bias, target, o, backend, plan, accum_dtype, grad_enabled):
         h = hidden.shape[-1]
         x = hidden.reshape(-1, h)
         if not x.is_contiguous():
@@ -158,7 +200,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         need = (grad_enabled and ng[0], grad_enabled and ng[1], grad_enabled and bias is not None and ng[2])
         in_forward = any(need) and o.reduction != "none"
         n_valid, base = grad_base_scale(t, o)
-        ch = _Chunker(x, weight, bias, t, o, backend, rows, accum_dtype)
+        ch = _Chunker(x, weight, bias, t, o, backend, plan, accum_dtype)
+        rows = plan.rows
         loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         dx, dw, db = _buffers(x, weight, bias, accum_dtype, need) if in_forward else (None, None, None)
@@ -171,7 +214,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             if in_forward:
                 ch.accumulate(z, a, b, dx, dw, db)
         del ch
-        ctx.o, ctx.backend, ctx.rows, ctx.accum_dtype = o, backend, rows, accum_dtype
+        ctx.o, ctx.backend, ctx.plan, ctx.accum_dtype = o, backend, plan, accum_dtype
         ctx.in_forward, ctx.need, ctx.hidden_shape = in_forward, need, hidden.shape
         if in_forward:
             ctx.grads = (dx, dw, db)
@@ -201,9 +244,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                 db = db.to(ctx.bias_dtype)
         else:
             x, weight, bias, t, lse = ctx.saved_tensors
-            o, rows = ctx.o, ctx.rows
+            o, rows = ctx.o, ctx.plan.rows
             scale = _scale_for_backward(grad_out, None, o.reduction)
-            ch = _Chunker(x, weight, bias, t, o, ctx.backend, rows, ctx.accum_dtype)
+            ch = _Chunker(x, weight, bias, t, o, ctx.backend, ctx.plan, ctx.accum_dtype)
             dx, dw, db = _buffers(x, weight, bias, ctx.accum_dtype, ctx.need)
             for a in range(0, x.shape[0], rows):
                 b = min(a + rows, x.shape[0])
@@ -234,8 +277,39 @@ def _check_inputs(hidden, weight, bias, target, accum_dtype) -> None:
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {getattr(bias, 'shape', type(bias))}")
         if bias.dtype != weight.dtype or bias.device != weight.device:
             raise TypeError(f"bias must match weight's dtype and device, got {bias.dtype} on {bias.device}")
-    if accum_dtype not in _ACCUM_DTYPES:
-        raise TypeError(f"accum_dtype must be one of {_ACCUM_DTYPES}, got {accum_dtype!r}")
+    if accum_dtype is not None and accum_dtype not in _ACCUM_DTYPES:
+        raise TypeError(f"accum_dtype must be None (the weight's dtype) or one of {_ACCUM_DTYPES}, got {accum_dtype!r}")
+
+
+class ChunkPlan(NamedTuple):
+    """Rows of ``hidden`` per chunk, and rows of ``weight`` per fp32 slab (0: no upcast, whole-weight matmuls)."""
+
+    rows: int
+    slab: int
+
+
+def _upcast(x: torch.Tensor, backend: str) -> bool:
+    return backend == "torch" and x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes) -> ChunkPlan:
+    """The chunk rows (and fp32 weight slab rows on the CPU fp16/bf16 path) for ``linear_cross_entropy``."""
+    h, v = weight.shape[1], weight.shape[0]
+    if chunk_bytes is None:
+        grad_bytes = (weight.numel() + n_rows * h) * hidden.element_size()
+        chunk_bytes = chunk_budget(grad_bytes, o.reduction, free_device_memory(hidden.device))
+    # bytes per row of the chunk buffers: fp32 logits (the compute dtype on Triton), a second fp32 buffer for
+    # softcap's derivative on the PyTorch path, and on the upcast path the chunk's fp32 hidden and dx rows
+    row_bytes = v * (hidden.element_size() if backend == "triton" else 4)
+    if backend == "torch" and o.softcap is not None:
+        row_bytes *= 2
+    slab = 0
+    if _upcast(hidden, backend):
+        slab = max(16, chunk_bytes // 8 // (2 * 4 * h))  # two fp32 slab temporaries: an eighth of the budget
+        chunk_bytes -= 2 * 4 * h * min(slab, v)
+        row_bytes += 2 * 4 * h
+    rows = int(chunk_size) if chunk_size != "auto" else budget_rows(chunk_bytes, row_bytes, n_rows)
+    return ChunkPlan(max(1, min(rows, n_rows)), slab)
 
 
 @_disable_compile
@@ -251,7 +325,8 @@ def linear_cross_entropy(
     softcap: float | None = None,
     reduction: str = "mean",
     chunk_size: int | str = "auto",
-    accum_dtype: torch.dtype = torch.float32,
+    chunk_bytes: int | None = None,
+    accum_dtype: torch.dtype | None = None,
     validate: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -264,11 +339,14 @@ def linear_cross_entropy(
         bias: optional ``(V,)`` head bias.
         ignore_index, label_smoothing, z_loss, softcap, reduction, validate, backend: as in
             :func:`~lightning_memkit.ops.cross_entropy`.
-        chunk_size: tokens per chunk, or ``"auto"``: as many tokens as fit a quarter of the bytes of
-            ``dW + dx`` in fp32 logits, at least 1 MiB and at most 16 MiB on CPU (512 MiB on CUDA),
-            halved on the PyTorch path when ``softcap`` needs a second buffer.
-        accum_dtype: dtype in which ``dW`` and ``db`` accumulate across chunks (fp32 by default;
-            cast to the weight's dtype at the end).
+        chunk_size: tokens per chunk, or ``"auto"``: as many tokens as the chunk budget holds in
+            buffers (fp32 logits; twice that with ``softcap`` on the PyTorch path).
+        chunk_bytes: the chunk budget in bytes. ``None`` (default): a third of the bytes of
+            ``dW + dx`` (a tenth with ``reduction="none"``), at most a quarter of the device's free
+            memory, at least 1 MiB. Only with ``chunk_size="auto"``.
+        accum_dtype: dtype in which ``dW`` and ``db`` accumulate across chunks. ``None`` (default):
+            the weight's dtype, each chunk's product formed in fp32 and rounded once into it (no
+            fp32 copy of ``dW``); ``torch.float32`` keeps an fp32 accumulator, cast at the end.
 
     Under ``torch.autocast`` the inputs are cast to the autocast dtype first, like ``F.linear``.
     With ``reduction="mean"``/``"sum"`` the graph can be differentiated once (gradients are built in
@@ -285,6 +363,10 @@ def linear_cross_entropy(
     """
     o = CrossEntropyOptions(ignore_index, label_smoothing, z_loss, softcap, reduction)
     check_chunk_size(chunk_size)
+    check_int(chunk_bytes, "chunk_bytes", minimum=1, allow_none=True, owner="linear_cross_entropy")
+    if chunk_bytes is not None and chunk_size != "auto":
+        raise ValueError(f"linear_cross_entropy: give chunk_size={chunk_size!r} (rows) or chunk_bytes={chunk_bytes} "
+                         "(a byte budget), not both")
     dev_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
     if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(dev_type):
         dt = torch.get_autocast_dtype(dev_type)
@@ -295,12 +377,9 @@ def linear_cross_entropy(
     n_classes = weight.shape[0]
     if validate:
         check_target(target, n_classes, ignore_index)
-    n_rows = target.numel()
-    buffers = 2 if (impl == "torch" and softcap is not None) else 1
-    # "auto": a chunk of logits never costs more than a quarter of the gradients dW + dx it produces
-    grad_bytes = (weight.numel() + n_rows * hidden.shape[-1]) * hidden.element_size()
-    rows = auto_rows(chunk_size, n_rows, n_classes, hidden.device, buffers=buffers, budget=grad_bytes // 4)
+    plan = chunk_plan(hidden, weight, max(1, target.numel()), o, impl, chunk_size, chunk_bytes)
+    accum = weight.dtype if accum_dtype is None else accum_dtype
     with torch.autocast(dev_type, enabled=False):
         return _LinearCrossEntropyFunction.apply(
-            hidden, weight, bias, target, o, impl, rows, accum_dtype, torch.is_grad_enabled()
+            hidden, weight, bias, target, o, impl, plan, accum, torch.is_grad_enabled()
         )

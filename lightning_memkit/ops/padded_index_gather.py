@@ -137,11 +137,13 @@ def padded_index_gather(
                          "they must share a device")
     resolved = _resolve_backend(backend, input.device)
     n_rows = input.shape[0]
-    if index.numel():
-        if index.device.type == "cuda":
+    if index.numel() and index.device.type == "cuda":
+        # torch.index_select raises a device-side assert for an index outside [0, N) by itself; a check of
+        # its own would cost four more kernel launches per call. The Triton kernel reads unchecked: check here.
+        if resolved == "triton":
             torch._assert_async(((index >= 0) & (index < n_rows)).all())
-        else:
-            lo, hi = int(index.min()), int(index.max())
-            if lo < 0 or hi >= n_rows:
-                raise ValueError(f"padded_index_gather(index=...) holds {lo if lo < 0 else hi}, outside [0, {n_rows})")
+    elif index.numel():
+        lo, hi = (int(v) for v in torch.aminmax(index))
+        if lo < 0 or hi >= n_rows:
+            raise ValueError(f"padded_index_gather(index=...) holds {lo if lo < 0 else hi}, outside [0, {n_rows})")
     return _PaddedIndexGather.apply(input, index, pad_to_multiple, resolved)
