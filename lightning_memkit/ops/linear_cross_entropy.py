@@ -97,21 +97,29 @@ class _Chunker:
         if backend == "torch" and o.softcap is not None:
             self.keep = torch.empty_like(self.buf)
         self.kargs = _kernel_args(o)
-        self.xf = None  # the current chunk of x in fp32 (upcast path)
+        if self.slab:  # reused fp32 buffers (fresh allocations of this size cost page faults on every chunk)
+            h, rows = x.shape[1], self.buf.shape[0]
+            self.xf = torch.empty(rows, h, dtype=torch.float32, device=dev)
+            self.dxf = torch.empty_like(self.xf)
+            self.wf = torch.empty(min(self.slab, v), h, dtype=torch.float32, device=dev)
+            self.prod = torch.empty_like(self.wf) if accum_dtype != torch.float32 else None
 
     def _slabs(self):
         v = self.w.shape[0]
         for s in range(0, v, self.slab):
             e = min(s + self.slab, v)
-            yield s, e, self.w[s:e].float()
+            wf = self.wf[: e - s]
+            wf.copy_(self.w[s:e])
+            yield s, e, wf
 
     def logits(self, a: int, b: int) -> torch.Tensor:
         z = self.buf[: b - a]
         xc = self.x[a:b]
         if self.slab:  # fp16/bf16 on CPU: fp32 matmuls, one slab of weight rows at a time
-            self.xf = xc.float()
+            xf = self.xf[: b - a]
+            xf.copy_(xc)
             for s, e, wf in self._slabs():
-                torch.mm(self.xf, wf.t(), out=z[:, s:e])
+                torch.mm(xf, wf.t(), out=z[:, s:e])
             if self.b is not None:
                 z.add_(self.b)
         elif z.dtype == xc.dtype:
@@ -158,18 +166,21 @@ class _Chunker:
             db.add_(g.sum(0, dtype=torch.float32))
 
     def _accumulate_upcast(self, g, a, b, dx, dw) -> None:
-        dxf = torch.zeros(b - a, self.x.shape[1], dtype=torch.float32, device=g.device) if dx is not None else None
+        xf, dxf = self.xf[: b - a], self.dxf[: b - a]
+        dxf.zero_()
         for s, e, wf in self._slabs():
             gs = g[:, s:e]
-            if dxf is not None:
+            if dx is not None:
                 dxf.addmm_(gs, wf)
             if dw is not None:
-                if dw.dtype == torch.float32:
-                    dw[s:e].addmm_(gs.t(), self.xf)
+                if self.prod is None:
+                    dw[s:e].addmm_(gs.t(), xf)
                 else:  # formed in fp32, rounded once into dW's dtype
-                    dw[s:e].add_(torch.mm(gs.t(), self.xf))
-        if dxf is not None:
-            dx[a:b] = dxf
+                    prod = self.prod[: e - s]
+                    torch.mm(gs.t(), xf, out=prod)
+                    dw[s:e].add_(prod)
+        if dx is not None:
+            dx[a:b].copy_(dxf)
 
 
 def _buffers(x, weight, bias, accum_dtype, need):
