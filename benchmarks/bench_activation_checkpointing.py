@@ -19,12 +19,24 @@ recomputed, with what ``ActivationCheckpointing()`` applies (``policy="auto"``: 
 cache off), and with transformers' own ``activation_checkpointing_enable()`` (the peer, same run). Same
 peak and time measurement as case 1 (``LivePeak``, AdamW step timed, interleaved pairs).
 
+Case 4 (torch.compile, not in ``--quick``): the case-1 model and batch, the step compiled with inductor
+(``torch.compile`` of the loss function: forward, loss and backward in one graph, as Lightning compiles
+``training_step``): without recomputation (baseline), with ``torch._functorch.config.activation_memory_budget``
+at 0.7, 0.5 and 0.3 (each compiled afresh), and memkit at each of those points: a one-step ``Trainer.fit`` of
+the compiled model with ``ActivationCheckpointing(policy={Block}, budget_bytes=<that point's measured peak>,
+selective=True)`` plans none/selective/full per block, and its plan is applied with ``checkpoint_modules`` to
+a copy compiled the same way. Memory: the forward+backward peak counted by the allocator
+(``AllocatorPeak``: LivePeak's dispatch mode would make dynamo run the step eagerly). Time: the full step
+(AdamW included), all seven variants interleaved round by round. A point is dominated when memkit's peak is
+<= its peak and memkit's step time is <= its time (median of the per-round ratios <= 1).
+
     python -m benchmarks.run --only activation_checkpointing [--quick] [--device cuda]
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import itertools
 import statistics
@@ -40,6 +52,7 @@ from lightning_memkit.demo.hf_models import HF_FAMILIES, tiny_hf_causal_lm
 from lightning_memkit.demo.tiny_lm import Block
 from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
 from lightning_memkit.memory import LivePeak, checkpoint_modules, select_modules
+from lightning_memkit.memory.allocator_peak import AllocatorPeak
 
 THREADS = 1  # one intra-op thread: stable ratios on a shared 2-core machine
 
@@ -216,12 +229,135 @@ def _hf_case(device: str, quick: bool, family: str) -> dict:
                   goal="peak <= 0.5x the baseline", met=bool(memkit["peak_vs_baseline"] <= 0.5))
 
 
+COMPILE_BUDGETS = (0.7, 0.5, 0.3)
+
+
+class _CompiledStepLM(TinyLM):
+    """TinyLM whose ``training_step`` does not call ``self.log``: under Lightning 2.6 and torch 2.13 a compiled
+    ``training_step`` that logs fails inside dynamo (``LightningModule.log`` inspects ``self.training_step``)."""
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+
+def _inductor(budget: float | None):
+    """A fresh inductor backend (its own dynamo cache entries), compiling under ``activation_memory_budget``."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget):
+            return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def _compiled_variant(base, batch, device: str, budget: float | None = None, modes: dict | None = None):
+    """(step, peak): a copy of ``base`` with ``modes`` recomputed, its loss compiled; the full step and its peak."""
+    model = copy.deepcopy(base)
+    if modes:
+        blocks = dict(model.named_modules())
+        checkpoint_modules([(name, blocks[name]) for name in modes], mode=modes)  # for the model's lifetime
+    loss_fn = torch.compile(model._loss, backend=_inductor(budget))
+    opt = model.configure_optimizers()
+
+    def fwd_bwd():
+        loss_fn(batch).backward()
+        model.zero_grad(set_to_none=True)
+
+    def step():
+        loss_fn(batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    fwd_bwd()  # compiles
+    fwd_bwd()
+    with AllocatorPeak(device) as counter:
+        fwd_bwd()
+    return step, counter.peak_bytes
+
+
+def _memkit_plan(base, batch, device: str, budget: int) -> tuple[dict, ActivationCheckpointing]:
+    """The modes ``ActivationCheckpointing(selective=True, budget_bytes=budget)`` picks in a compiled one-step fit."""
+    model = _CompiledStepLM(**{k: base.hparams[k] for k in ("d_model", "n_layers", "n_heads", "seq_len")})
+    model.load_state_dict(base.state_dict())
+    callback = ActivationCheckpointing(policy={Block}, budget_bytes=budget, selective=True)
+    trainer = L.Trainer(max_steps=1, accelerator="cuda" if device.startswith("cuda") else "cpu", devices=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback])
+    dataset = torch.utils.data.TensorDataset(*(t.cpu() for t in batch))
+    data = torch.utils.data.DataLoader(dataset, batch_size=len(batch[0]))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        trainer.fit(torch.compile(model), data)
+    return dict(callback.modes), callback
+
+
+def _interleaved(steps: dict, rounds: int, device: str) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(rounds):
+        for name in (list(steps) if i % 2 == 0 else list(reversed(steps))):
+            times[name].append(time_once(steps[name], device))
+    return times
+
+
+def _modes_text(modes: dict, names: list[str]) -> str:
+    return " ".join({"full": "F", "selective": "S"}.get(modes.get(name), "-") for name in names)
+
+
+def _compile_variants(device: str, quick: bool):
+    """Build and measure the seven compiled variants; returns (label, names, steps, peaks, plans)."""
+    base, x, y, label = _setup(device, quick)
+    batch, names = (x, y), [n for n, _ in select_modules(base, {Block})]
+    steps, peaks, plans = {}, {}, {}
+    steps["compiled"], peaks["compiled"] = _compiled_variant(base, batch, device)
+    for b in COMPILE_BUDGETS:
+        steps[f"budget {b}"], peaks[f"budget {b}"] = _compiled_variant(base, batch, device, budget=b)
+    for b in COMPILE_BUDGETS:
+        modes, _callback = _memkit_plan(base, batch, device, peaks[f"budget {b}"])
+        plans[f"memkit @ {b}"] = modes
+        steps[f"memkit @ {b}"], peaks[f"memkit @ {b}"] = _compiled_variant(base, batch, device, modes=modes)
+    return label, names, steps, peaks, plans
+
+
+def _compile_case(device: str, quick: bool) -> dict:
+    torch._dynamo.reset()  # earlier cases ran TinyLM under LivePeak: dynamo had marked its code to be skipped
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
+        label, names, steps, peaks, plans = _compile_variants(device, quick)
+        rounds = 6 if quick else 14
+        times = _interleaved(steps, rounds, device)
+
+    def ratio(name: str, ref: str) -> float:
+        return statistics.median(t / r for t, r in zip(times[name], times[ref]))
+
+    rows = [{"impl": f"torch.compile activation_memory_budget={name.split()[1]}" if name.startswith("budget") else name,
+             "peak_bytes": peaks[name], "peak_vs_baseline": round(peaks[name] / peaks["compiled"], 3),
+             "step_time_s": round(statistics.median(times[name]), 4),
+             "time_vs_baseline": round(ratio(name, "compiled"), 3),
+             "blocks (F full, S selective)": _modes_text(plans[name], names) if name in plans else ""}
+            for name in steps]
+    verdicts, met = [], True
+    for b in COMPILE_BUDGETS:
+        point, mine = f"budget {b}", f"memkit @ {b}"
+        rel = ratio(mine, point)
+        ok_peak, ok_time = peaks[mine] <= peaks[point], rel <= 1.0
+        met &= ok_peak and ok_time
+        verdicts.append(f"{b}: peak {peaks[mine]:,} <= {peaks[point]:,} {'yes' if ok_peak else 'NO'}, time "
+                        f"{rel:.3f}x of its {'yes' if ok_time else 'NO'}")
+    case = (f"{label} compiled (torch.compile, inductor) on the {device.upper()}: activation_memory_budget against "
+            "ActivationCheckpointing(selective=True, budget_bytes=that point's peak); forward+backward peak by the "
+            f"allocator, forward+backward+AdamW time, {torch.get_num_threads()} thread(s), {rounds} interleaved rounds")
+    goal = "memkit at each point's peak: peak <= and step time <= the point's (" + "; ".join(verdicts) + ")"
+    return record("activation_checkpointing", case, "the same compiled step with nothing recomputed", rows,
+                  goal=goal, met=bool(met))
+
+
 def run(device: str = "cpu", quick: bool = False) -> list[dict]:
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
         entries = [_policy_case(device, quick), _budget_case(device, quick)]
         entries += [_hf_case(device, quick, family) for family in HF_FAMILIES]
+        if not quick:  # seven inductor compilations and three compiled planning fits: minutes, not seconds
+            entries.append(_compile_case(device, quick))
         if device.startswith("cuda") and not quick:
             entries.append(_policy_case(device, quick, large=True))
         return entries

@@ -9,6 +9,8 @@ Example::
     Trainer(callbacks=[ActivationCheckpointing()])                                     # HF decoder layers / blocks
     Trainer(callbacks=[ActivationCheckpointing(policy={Block})])                       # every Block
     Trainer(callbacks=[ActivationCheckpointing(policy={Block}, budget_bytes=2 << 30)])  # fewest Blocks under 2 GiB
+    Trainer(callbacks=[ActivationCheckpointing(selective=True)])                       # keep matmul outputs
+    Trainer(callbacks=[ActivationCheckpointing(selective=True, budget_bytes=2 << 30)])  # mix none/selective/full
 """
 
 from __future__ import annotations
@@ -37,12 +39,21 @@ from lightning_memkit.memory.activation_recompute import (
     resolve_policy,
     select_modules,
 )
-from lightning_memkit.memory.checkpoint_plan import CheckpointPlan, layer_savings, plan_checkpointing, predicted_peak
+from lightning_memkit.memory.allocator_peak import AllocatorPeak
+from lightning_memkit.memory.checkpoint_plan import (
+    CheckpointPlan,
+    RecomputeCostMeter,
+    calibrate,
+    layer_savings,
+    plan_checkpointing,
+    plan_recompute,
+    predicted_peak,
+)
 from lightning_memkit.memory.live_peak import LivePeak, unmeasured
 from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
 from lightning_memkit.memory.storage import unique_storage_bytes
 from lightning_memkit.progress import WorkProgress, progress_enabled
-from lightning_memkit.validation import check_int
+from lightning_memkit.validation import check_bool, check_int
 
 __all__ = ["ActivationCheckpointing", "AUTO"]
 
@@ -50,7 +61,33 @@ AUTO = "auto"
 
 _OWN_POLICY = {"DeepSpeedStrategy": "DeepSpeedStrategy(partition_activations=..., cpu_checkpointing=...)"}
 _SHARDED = ("FSDPStrategy", "ModelParallelStrategy")  # recompute runs inside their units; no budget planning
-_WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+_WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+_MAX_PROBES = 4  # mixed plans: measured plans tried (the cheapest that fits is kept)
+
+
+def _mute(*_args: Any, **_kwargs: Any) -> None:
+    """Stands in for ``log``/``log_dict`` during planning runs (one object: a compiled step is not re-guarded)."""
+
+
+def _runs_compiled(pl_module: nn.Module) -> bool:
+    """Whether ``torch.compile`` runs the step: a compiled submodule (``torch.compile(module)``, ``module.compile()``)
+    or a compiled LightningModule given to ``Trainer.fit`` (Lightning wraps its ``forward``/``training_step``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+           for m in pl_module.modules()):
+        return True
+    steps = (vars(pl_module).get(name) for name in ("forward", "training_step"))
+    return any(hasattr(step, "_torchdynamo_orig_callable") for step in steps)
+
+
+def _unwrap_compiled(name: str, module: nn.Module) -> tuple[str, nn.Module]:
+    """A ``torch.compile``d module stands for the module it compiles: the recompute is traced inside its graph."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while isinstance(module, OptimizedModule):
+        name, module = f"{name}._orig_mod" if name else "_orig_mod", module._orig_mod
+    return name, module
 
 
 def _strategy_kind(strategy: Any) -> str | None:
@@ -163,6 +200,26 @@ class ActivationCheckpointing(Callback):
     printed. A budget that even recomputing every candidate cannot reach raises ``ValueError`` with the
     best achievable peak. Each ``fit`` plans again on its first batch.
 
+    ``selective=True`` recomputes selectively (selective activation checkpointing): each chosen layer keeps
+    the outputs of its matmuls and attention kernels (:data:`~lightning_memkit.memory.activation_recompute.
+    SAVED_OPS`) besides its inputs and recomputes only the rest in backward, so no matmul runs twice: less
+    saved than with full recompute, for much less time. With ``budget_bytes`` too, each layer gets none,
+    selective or full recompute: the planning runs also measure every layer selectively recomputed and the
+    time of each layer's forward ops (full) and of its non-matmul ops (selective), and
+    :func:`~lightning_memkit.memory.plan_recompute` picks the assignment with the least predicted recompute
+    time whose predicted peak fits (selective first, full only where needed); the plan is then measured and
+    re-planned for a target lowered by a measured overshoot or raised by a measured slack (up to four measured
+    plans; the cheapest that fits is kept, else every layer in full). ``memory_effect()`` and ``modes`` say
+    which layer got which mode.
+
+    A ``torch.compile``d model works: a compiled LightningModule passed to ``Trainer.fit`` or compiled
+    submodules. The callback patches the original modules, so the recompute is traced into the compiled
+    graph (one recompilation). With ``budget_bytes``, the saved-tensor profile runs eager (compiled code
+    cannot be profiled per layer), and the peaks that decide are measured on the compiled step by the
+    allocator (:class:`~lightning_memkit.memory.allocator_peak.AllocatorPeak`: the CPU allocator's events
+    through ``torch.profiler``, ``max_memory_allocated`` on CUDA); the profiled savings are scaled to them.
+    Each measured configuration compiles once.
+
     ``offload=True`` (CUDA only; an error elsewhere) also runs ``training_step`` under
     ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: what the non-recomputed parts save for backward
     goes to pinned host memory.
@@ -171,19 +228,26 @@ class ActivationCheckpointing(Callback):
         policy: ``"auto"``, module classes / class paths, or a callable ``(name, module) -> bool``.
         budget_bytes: step peak to reach with the fewest recomputed layers (``None``: recompute all matches).
         offload: move saved activations to pinned CPU memory (CUDA).
+        selective: recompute selectively (keep matmul and attention outputs); with ``budget_bytes``, mix none,
+            selective and full per layer. A bool rather than a mode string because with a budget it allows
+            selective recompute, mixed with full where needed, instead of forcing one mode.
 
     Attributes:
         plan: the :class:`~lightning_memkit.memory.CheckpointPlan` (budget mode), else ``None``.
         checkpointed: names of the modules recomputed in the current (or last) fit.
+        modes: name -> ``"full"`` or ``"selective"`` for each of them.
         measured_peak_bytes: the measured step peak with the plan applied, on the first batch (budget mode).
     """
 
-    def __init__(self, policy: PolicyLike = AUTO, budget_bytes: int | None = None, offload: bool = False):
+    def __init__(
+        self, policy: PolicyLike = AUTO, budget_bytes: int | None = None, offload: bool = False, selective: bool = False
+    ):
         if policy != AUTO:
             resolve_policy(policy)  # validates and imports class paths now
         check_int(budget_bytes, "budget_bytes", minimum=1, allow_none=True, owner="ActivationCheckpointing")
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
+        check_bool(selective, "selective", owner="ActivationCheckpointing")
         if offload and not torch.cuda.is_available():
             raise ValueError(
                 "offload=True moves saved activations from a CUDA device to pinned CPU memory, but CUDA is not "
@@ -192,13 +256,16 @@ class ActivationCheckpointing(Callback):
         self.policy = policy
         self.budget_bytes = budget_bytes
         self.offload = offload
+        self.selective = selective
         self.plan: CheckpointPlan | None = None
         self.checkpointed: list[str] = []
+        self.modes: dict[str, str] = {}
         self.measured_peak_bytes: int | None = None
         self._handle = RecomputeHandle()
         self._candidates: list[tuple[str, weakref.ref]] = []
         self._needs_plan = False
         self._device: str = "cpu"
+        self._compiled = False
         self._offload_patch: contextlib.ExitStack | None = None
         self._cache_patch: contextlib.ExitStack | None = None
         self._progress = WorkProgress("ActivationCheckpointing planning run", enabled=False)
@@ -252,11 +319,12 @@ class ActivationCheckpointing(Callback):
                 f"on {device}; set offload=False"
             )
         self._device = str(device)
+        self._compiled = _runs_compiled(pl_module)
         self._candidates = [(name, weakref.ref(m)) for name, m in chosen]
-        self.checkpointed = []
+        self.checkpointed, self.modes = [], {}
         self.measured_peak_bytes = None
         if self.budget_bytes is None:
-            self._wrap([name for name, _ in chosen])
+            self._wrap(dict.fromkeys((name for name, _ in chosen), "selective" if self.selective else "full"))
         else:
             self._needs_plan = True  # every fit plans again: the model, batch or precision may have changed
         if self.offload:
@@ -271,7 +339,7 @@ class ActivationCheckpointing(Callback):
         with unmeasured():  # the planning runs are no part of this step's peak (PeakMemoryMonitor)
             plan, measured = self._make_plan(trainer, pl_module, batch, batch_idx)
         self.plan, self.measured_peak_bytes = plan, measured
-        self._wrap(plan.layers)
+        self._wrap(plan.modes)
         if measured > plan.budget_bytes:
             rank_zero_warn(plan_message(plan, measured))
         else:
@@ -281,12 +349,11 @@ class ActivationCheckpointing(Callback):
         """One line: the layers recomputed and, with a budget, the activation bytes recomputed instead of kept."""
         if not self.checkpointed:
             return "ActivationCheckpointing: no layer recomputed"
-        names = ", ".join(self.checkpointed[:4]) + (", ..." if len(self.checkpointed) > 4 else "")
-        head = f"ActivationCheckpointing: {len(self.checkpointed)} layers recomputed ({names})"
+        head = f"ActivationCheckpointing: {len(self.checkpointed)} layers recomputed ({_layer_list(self.modes)})"
         plan = self.plan
         if plan is None:
             return f"{head}; activation bytes saved not measured (budget_bytes=None: nothing was profiled)"
-        saved = sum(plan.savings[name] for name in plan.layers)
+        saved = plan.saved_bytes
         return (f"{head}; {saved:,} activation bytes recomputed in backward instead of kept (measured by the "
                 f"planning runs on the first batch); step peak {plan.baseline_peak:,} -> {self.measured_peak_bytes:,} "
                 f"bytes measured, budget {plan.budget_bytes:,} bytes")
@@ -316,7 +383,7 @@ class ActivationCheckpointing(Callback):
                     "decoder layers (transformers GradientCheckpointingLayer) nor an nn.ModuleList of same-class "
                     "blocks; pass policy= with the module classes to recompute"
                 )
-        chosen = [_unwrap_fsdp(name, m) for name, m in chosen]
+        chosen = [_unwrap_compiled(*_unwrap_fsdp(name, m)) for name, m in chosen]
         wrapped = _self_recomputing(pl_module)
         own = [name for name, m in chosen if getattr(m, "gradient_checkpointing", False) is True
                or any(_related(name, w) for w in wrapped)]
@@ -366,9 +433,9 @@ class ActivationCheckpointing(Callback):
             out.append((name, module))
         return out
 
-    def _wrap(self, names: list[str]) -> None:
-        self._handle.add(self._modules(names))
-        self.checkpointed = list(names)
+    def _wrap(self, modes: dict[str, str]) -> None:
+        self._handle.add(self._modules(list(modes)), modes)
+        self.checkpointed, self.modes = list(modes), dict(modes)
 
     def _patch_offload(self, pl_module: LightningModule) -> None:
         step = pl_module.training_step
@@ -397,78 +464,171 @@ class ActivationCheckpointing(Callback):
     def _make_plan(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> tuple[CheckpointPlan, int]:
-        """Plan from the model, then walk the greedy order with measured peaks to the fewest layers."""
+        """Profile the step (nothing, every candidate in each mode), then plan and check by measurement."""
         names = [name for name, _ in self._candidates]
-        baseline, acts, inputs = self._profile(trainer, pl_module, batch, batch_idx, wrapped=[])
-        all_peak, _, _ = self._profile(trainer, pl_module, batch, batch_idx, wrapped=names)
-        savings = layer_savings(acts, inputs)
-        overhead = max(0, all_peak - (baseline - sum(s for s in savings.values() if s > 0)))
-        plan = plan_checkpointing(savings, baseline, self.budget_bytes, recompute_overhead=overhead)
-        measured = {0: baseline, len(plan.ranked): all_peak}
+        every = {mode: dict.fromkeys(names, mode) for mode in (("selective", "full") if self.selective else ("full",))}
+        run = functools.partial(self._profile, trainer, pl_module, batch, batch_idx)
+        baseline, acts, inputs, costs = run({}, meter=self.selective)
+        profiled, kept = {"none": baseline}, {}
+        for mode, modes in every.items():
+            profiled[mode], kept[mode], _, _ = run(modes)
+        savings = _mode_savings(acts, inputs, kept.get("selective"))
+        peak = functools.partial(self._runtime_peak, trainer, pl_module, batch, batch_idx)
+        measured = {"none": peak({}), **{m: peak(modes) for m, modes in every.items()}} if self._compiled else {}
+        measured = measured or dict(profiled)
+        for peaks in (profiled, measured):
+            peaks.setdefault("selective", peaks["none"])
+        overhead = {m: max(0, profiled[m] - (baseline - sum(r[m] for r in savings.values() if r[m] > 0)))
+                    for m in ("selective", "full")}
+        baseline, savings, overhead = calibrate(savings, overhead, measured)
+        if self.selective:
+            return self._mixed_plan(savings, baseline, overhead, costs, measured, peak)
+        return self._full_plan({n: r["full"] for n, r in savings.items()}, baseline, overhead["full"], measured, peak)
 
-        def peak(k: int) -> int:
-            if k not in measured:
-                measured[k] = self._profile(trainer, pl_module, batch, batch_idx, wrapped=plan.first(k))[0]
-            return measured[k]
+    def _full_plan(
+        self, savings: dict[str, int], baseline: int, overhead: int, measured: dict[str, int], peak: Callable
+    ) -> tuple[CheckpointPlan, int]:
+        """The fewest full-recompute layers: greedy by saving, then the shortest measured prefix within budget."""
+        plan = plan_checkpointing(savings, baseline, self.budget_bytes, recompute_overhead=overhead)
+        by_k = {0: measured["none"], len(plan.ranked): measured["full"]}
+
+        def peak_of(k: int) -> int:
+            if k not in by_k:
+                by_k[k] = peak(dict.fromkeys(plan.first(k), "full"))
+            return by_k[k]
 
         k = len(plan.layers)
-        while k > 0 and peak(k - 1) <= self.budget_bytes:
+        while k > 0 and peak_of(k - 1) <= self.budget_bytes:
             k -= 1
-        while peak(k) > self.budget_bytes and k < len(plan.ranked):
+        while peak_of(k) > self.budget_bytes and k < len(plan.ranked):
             k += 1
-        if peak(k) > self.budget_bytes:
+        if peak_of(k) > self.budget_bytes:
             raise ValueError(
                 f"budget_bytes={self.budget_bytes} cannot be reached: the best measured peak is "
-                f"{min(measured.values())} bytes (baseline {baseline} bytes); raise budget_bytes, widen the policy "
+                f"{min(by_k.values())} bytes (baseline {baseline} bytes); raise budget_bytes, widen the policy "
                 "or lower the batch size"
             )
         plan.layers = plan.first(k)
         plan.predicted_peak = predicted_peak(savings, baseline, plan.layers, overhead)
-        return plan, peak(k)
+        return plan, peak_of(k)
 
-    def _profile(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, wrapped: list[str]
-    ) -> tuple[int, dict[str, int], dict[str, int]]:
-        """One forward+backward of ``training_step`` outside the loop: peak, per-candidate activations and inputs."""
-        self._progress.step(f"({len(wrapped)} of {len(self._candidates)} layers recomputed)")
+    def _mixed_plan(
+        self, savings: dict, baseline: int, overhead: dict, costs: dict, measured: dict[str, int], peak: Callable
+    ) -> tuple[CheckpointPlan, int]:
+        """The cheapest none/selective/full plan whose *measured* peak fits, searched over the planning target.
+
+        The target starts at the budget; a measured overshoot lowers it by the overshoot, a measured slack raises
+        it by the slack (a cheaper plan may fit too), bisecting once both sides are known. Up to ``_MAX_PROBES``
+        plans are measured; the cheapest that fits is kept, else every layer in full if that fits.
+        """
+        replan = functools.partial(plan_recompute, savings, baseline, costs=costs, recompute_overhead=overhead)
+        budget, target = self.budget_bytes, self.budget_bytes
+        tried: dict[tuple, int] = {}
+        best: tuple[CheckpointPlan, int] | None = None
+        low, high = None, None  # targets known to give a fitting / an overshooting plan
+        for _ in range(_MAX_PROBES):
+            try:
+                plan = replan(max(0, target))
+            except ValueError:
+                if best is None and not tried:
+                    raise  # states the best predicted peak
+                break
+            key = tuple(plan.modes.items())
+            if key in tried:
+                break
+            got = tried[key] = peak(plan.modes) if plan.layers else measured["none"]
+            if got <= budget:
+                if best is None or plan.predicted_cost < best[0].predicted_cost:
+                    best = (plan, got)
+                low = target
+            else:
+                high = target
+            target = (low + high) // 2 if low is not None and high is not None else target + budget - got
+        if best is not None:
+            return best
+        if measured["full"] > budget:
+            raise ValueError(
+                f"budget_bytes={budget} cannot be reached: the best measured peak is "
+                f"{min([*tried.values(), *measured.values()])} bytes (baseline {measured['none']} bytes); raise "
+                "budget_bytes, widen the policy or lower the batch size"
+            )
+        plan.layers, plan.selective = [name for name, _ in self._candidates], []
+        plan.predicted_peak, plan.predicted_cost = measured["full"], sum(c["full"] for c in costs.values())
+        return plan, measured["full"]
+
+    @contextlib.contextmanager
+    def _isolated(self, pl_module: LightningModule, modes: dict[str, str]) -> Iterator[list[tuple[str, nn.Module]]]:
+        """A planning run: ``modes`` applied, RNG, gradients and buffers restored after, logging muted."""
         candidates = self._modules([name for name, _ in self._candidates])
-        inputs: Counter = Counter()
-        hooks = [
-            m.register_forward_pre_hook(self._input_counter(name, inputs), with_kwargs=True) for name, m in candidates
-        ]
         grads = [(p, p.grad) for p in pl_module.parameters()]
         buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
-        model = trainer.strategy.model
-        no_sync = model.no_sync if hasattr(model, "no_sync") else contextlib.nullcontext
-        mute = lambda *a, **k: None  # noqa: E731
         handle = RecomputeHandle()
         try:
-            handle.add([(n, m) for n, m in candidates if n in wrapped])
-            with isolate_rng(), _patched(pl_module, log=mute, log_dict=mute):
-                with SavedTensorRecorder(pl_module) as rec:
-                    with trainer.strategy.precision_plugin.train_step_context():
-                        loss = _loss_of(pl_module.training_step(batch, batch_idx))
-                    rec.stop()
-                    with no_sync():
-                        loss.backward()
-                report = rec.report(output=loss, include_peak=True)
-                peak = self._device_peak(rec.live_peak)
-                del loss
+            handle.add([(n, m) for n, m in candidates if n in modes], modes)
+            with isolate_rng(), _patched(pl_module, log=_mute, log_dict=_mute):
+                yield candidates
         finally:
             handle.restore()
-            for h in hooks:
-                h.remove()
             for p, g in grads:
                 p.grad = g
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-        acts = {}
-        for name, _ in candidates:
-            acts[name] = sum(
-                r.activation_bytes for r in report.rows if r.name == name or r.name.startswith(name + ".") or not name
-            )
-        return peak, acts, dict(inputs)
+
+    def _step(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+              rec: SavedTensorRecorder | None = None) -> torch.Tensor:
+        """``training_step`` and its backward (without DDP's gradient sync); ``rec`` is stopped in between."""
+        model = trainer.strategy.model
+        no_sync = model.no_sync if hasattr(model, "no_sync") else contextlib.nullcontext
+        with trainer.strategy.precision_plugin.train_step_context():
+            loss = _loss_of(pl_module.training_step(batch, batch_idx))
+        if rec is not None:
+            rec.stop()
+        with no_sync():
+            loss.backward()
+        return loss
+
+    def _runtime_peak(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, modes: dict[str, str]
+    ) -> int:
+        """The step's peak as it really runs: LivePeak (eager), or the allocator's count of the compiled step."""
+        if not self._compiled:
+            return self._profile(trainer, pl_module, batch, batch_idx, modes)[0]
+        self._progress.step(f"(compiled, {len(modes)} of {len(self._candidates)} layers recomputed)")
+        with self._isolated(pl_module, modes):
+            self._step(trainer, pl_module, batch, batch_idx)  # compiles this configuration: not measured
+        with self._isolated(pl_module, modes), AllocatorPeak(self._device) as counter:
+            self._step(trainer, pl_module, batch, batch_idx)
+        return counter.peak_bytes
+
+    def _profile(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, modes: dict[str, str],
+        meter: bool = False,
+    ) -> tuple[int, dict[str, int], dict[str, int], dict[str, dict[str, float]]]:
+        """One eager forward+backward of ``training_step`` outside the loop: peak, per-candidate activations and
+        inputs, and (``meter``) each candidate's recompute time per mode.
+
+        It runs under ``torch.compiler.set_stance("force_eager")``: dynamo does not compile under a dispatch mode
+        (LivePeak's) and marks a code object it meets there to be skipped for good, compiled entries included.
+        """
+        self._progress.step(f"({len(modes)} of {len(self._candidates)} layers recomputed)")
+        inputs: Counter = Counter()
+        with self._isolated(pl_module, modes) as candidates:
+            hooks = [m.register_forward_pre_hook(self._input_counter(name, inputs), with_kwargs=True)
+                     for name, m in candidates]
+            timer = RecomputeCostMeter(candidates) if meter else contextlib.nullcontext()
+            try:  # force_eager: a frame dynamo first meets under a dispatch mode is never compiled again
+                with torch.compiler.set_stance("force_eager"), timer, SavedTensorRecorder(pl_module) as rec:
+                    loss = self._step(trainer, pl_module, batch, batch_idx, rec)
+                    report = rec.report(output=loss, include_peak=True)
+                    peak = self._device_peak(rec.live_peak)
+                    del loss
+            finally:
+                for h in hooks:
+                    h.remove()
+        acts = {name: sum(r.activation_bytes for r in report.rows if _related_row(r.name, name))
+                for name, _ in candidates}
+        return peak, acts, dict(inputs), timer.costs if meter else {}
 
     @staticmethod
     def _input_counter(name: str, counts: Counter) -> Callable:
@@ -476,6 +636,32 @@ class ActivationCheckpointing(Callback):
             counts[name] += unique_storage_bytes((args, kwargs))
 
         return hook
+
+
+def _mode_savings(acts: dict[str, int], inputs: dict[str, int], selective_kept: dict[str, int] | None) -> dict:
+    """Layer -> ``{"selective": bytes, "full": bytes}`` saved by each mode, from the saved-tensor profiles.
+
+    Full recompute keeps only the inputs; selective also keeps what its run left stashed in the layer (the
+    matmul and attention outputs), never more than without recompute, never less than full.
+    """
+    full = layer_savings(acts, inputs)
+    out = {}
+    for name, saving in full.items():
+        rest = acts[name] - inputs.get(name, 0) - selective_kept[name] if selective_kept is not None else 0
+        out[name] = {"selective": min(saving, max(0, rest)), "full": saving}
+    return out
+
+
+def _related_row(row: str, name: str) -> bool:
+    """Whether a saved-tensor report row belongs to candidate ``name`` (itself or inside it; ``""``: everything)."""
+    return not name or row == name or row.startswith(name + ".")
+
+
+def _layer_list(modes: dict[str, str], shown: int = 4) -> str:
+    """``blocks.0, blocks.1, ...`` (all full) or ``blocks.0 (selective), blocks.1 (full), ...`` (mixed)."""
+    mixed = any(mode != "full" for mode in modes.values())
+    items = [f"{name} ({mode})" if mixed else name for name, mode in modes.items()]
+    return ", ".join(items[:shown]) + (", ..." if len(items) > shown else "") or "none"
 
 
 def plan_message(plan: CheckpointPlan, measured: int) -> str:
@@ -490,7 +676,7 @@ def plan_message(plan: CheckpointPlan, measured: int) -> str:
         peak measured 170 bytes (predicted 150 bytes; nothing recomputed: 200 bytes)
     """
     head = f"ActivationCheckpointing: recomputing {len(plan.layers)} of {len(plan.savings)} layers " \
-           f"({', '.join(plan.layers) or 'none'}); "
+           f"({_layer_list(plan.modes, shown=len(plan.layers))}); "
     tail = f"(predicted {plan.predicted_peak} bytes; nothing recomputed: {plan.baseline_peak} bytes)"
     if measured > plan.budget_bytes:
         return (f"{head}budget {plan.budget_bytes} bytes NOT reached with this plan: step peak measured {measured} "

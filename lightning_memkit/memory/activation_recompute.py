@@ -8,6 +8,14 @@ recomputed region. Without grad mode (validation, ``no_grad``) the wrapper calls
 The returned handle restores every patched ``forward`` (also as a context manager, exceptions included)
 and holds the modules weakly.
 
+Two recompute modes, per module: ``"full"`` keeps only the module's inputs and reruns its whole forward in
+backward; ``"selective"`` (selective activation checkpointing, torch's
+:func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts`) also keeps the outputs of the
+compute-bound ops listed in :data:`SAVED_OPS` (matmuls, attention kernels, convolutions) and reruns only the
+cheap rest (norms, activations, elementwise, views), so backward never redoes a matmul. Selective saves
+less than no recomputation and more than full recomputation; gradients are the same in all three. Both
+modes trace under ``torch.compile``.
+
 Example::
 
     >>> import torch
@@ -20,6 +28,9 @@ Example::
     ['0', '1']
     >>> "forward" in vars(net[0])   # restored
     False
+    >>> with checkpoint_modules(chosen, mode={"0": "selective", "1": "full"}):
+    ...     [recompute_mode(m) for m in net]
+    ['selective', 'full', None]
 """
 
 from __future__ import annotations
@@ -27,12 +38,12 @@ from __future__ import annotations
 import functools
 import importlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = [
     "PolicyLike",
@@ -43,10 +54,45 @@ __all__ = [
     "checkpoint_modules",
     "RecomputeHandle",
     "is_checkpointed",
+    "recompute_mode",
+    "RECOMPUTE_MODES",
+    "SAVED_OPS",
+    "selective_policy",
+    "ModeLike",
 ]
 
 PolicyLike = Union[type, str, Iterable[Union[type, str]], Callable[[str, nn.Module], bool]]  # noqa: UP007
+ModeLike = Union[str, Mapping[str, str]]  # noqa: UP007
 _MARK = "_memkit_recompute"
+RECOMPUTE_MODES = ("full", "selective")
+
+
+def _saved_ops() -> frozenset:
+    """The compute-bound ATen ops whose outputs selective recompute keeps (those this torch build has).
+
+    The matmul family (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``), every fused
+    scaled-dot-product-attention kernel (CPU flash, CUDA flash / memory-efficient / cuDNN, the overrideable
+    one; its output and log-sum-exp are saved), and ``convolution``: the ops whose recomputation costs
+    FLOPs rather than memory traffic, as in torch's selective-checkpointing docs and torchtitan's op list.
+    """
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+             "_efficient_attention_forward")
+    ops = (getattr(getattr(torch.ops.aten, name, None), "default", None) for name in names)
+    return frozenset(op for op in ops if op is not None)
+
+
+SAVED_OPS = _saved_ops()
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Keep the outputs of :data:`SAVED_OPS`, recompute everything else (a selective-checkpoint policy function)."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SELECTIVE_CONTEXT = functools.partial(create_selective_checkpoint_contexts, selective_policy)
 
 
 def _import_class(path: str) -> type:
@@ -159,12 +205,18 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether ``module.forward`` is currently patched by :func:`checkpoint_modules`."""
-    return getattr(vars(module).get("forward"), _MARK, False)
+    return bool(getattr(vars(module).get("forward"), _MARK, False))
 
 
-def _make_forward(module: nn.Module, previous: Callable | None) -> Callable:
+def recompute_mode(module: nn.Module) -> str | None:
+    """``"full"`` or ``"selective"`` when :func:`checkpoint_modules` patched ``module``, else ``None``."""
+    return getattr(vars(module).get("forward"), _MARK, None) or None
+
+
+def _make_forward(module: nn.Module, previous: Callable | None, mode: str) -> Callable:
     ref = weakref.ref(module)
     cls_forward = type(module).forward
+    extra = {"context_fn": _SELECTIVE_CONTEXT} if mode == "selective" else {}
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         mod = ref()
@@ -173,9 +225,9 @@ def _make_forward(module: nn.Module, previous: Callable | None) -> Callable:
         fn = previous if previous is not None else functools.partial(cls_forward, mod)
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
-    setattr(forward, _MARK, True)
+    setattr(forward, _MARK, mode)
     forward._memkit_previous = previous  # type: ignore[attr-defined]
     return forward
 
@@ -190,16 +242,30 @@ class RecomputeHandle:
     def names(self) -> list[str]:
         return [name for name, ref in self._patched if ref() is not None]
 
-    def add(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
-        """Patch more modules (all validated first: nothing is patched if one is already patched)."""
+    @property
+    def modes(self) -> dict[str, str]:
+        """Name -> recompute mode (``"full"`` or ``"selective"``) of each module still patched by this handle."""
+        out = {}
+        for name, ref in self._patched:
+            module = ref()
+            if module is not None and recompute_mode(module) is not None:
+                out[name] = recompute_mode(module)
+        return out
+
+    def add(self, modules: Iterable[tuple[str, nn.Module]], mode: ModeLike = "full") -> None:
+        """Patch more modules (all validated first: nothing is patched if one is already patched).
+
+        ``mode`` is ``"full"``, ``"selective"`` or a mapping name -> mode covering every given module.
+        """
         items = list(modules)
+        modes = _modes_for([name for name, _ in items], mode)
         for name, module in items:
             if not isinstance(module, nn.Module):
                 raise TypeError(f"module {name!r} must be a torch.nn.Module, got {type(module).__name__}")
             if is_checkpointed(module):
                 raise ValueError(f"module {name!r} ({type(module).__name__}) is already checkpointed")
         for name, module in items:
-            module.forward = _make_forward(module, vars(module).get("forward"))
+            module.forward = _make_forward(module, vars(module).get("forward"), modes[name])
             self._patched.append((name, weakref.ref(module)))
 
     def restore(self) -> None:
@@ -228,14 +294,37 @@ class RecomputeHandle:
         return len(self.names)
 
 
-def checkpoint_modules(modules: Iterable[tuple[str, nn.Module]] | Iterable[nn.Module]) -> RecomputeHandle:
+def _modes_for(names: list[str], mode: ModeLike) -> dict[str, str]:
+    """Name -> mode for ``names``: one mode for all, or a mapping that must cover exactly these names."""
+    if isinstance(mode, str):
+        mode = dict.fromkeys(names, mode)
+    elif isinstance(mode, Mapping):
+        missing = [n for n in names if n not in mode]
+        unknown = [n for n in mode if n not in names]
+        if missing or unknown:
+            raise ValueError(
+                f"mode must give a mode for each module and no other: missing {missing}, unknown {unknown}"
+            )
+    else:
+        raise TypeError(f"mode must be 'full', 'selective' or a mapping name -> mode, got {type(mode).__name__}")
+    for name, value in mode.items():
+        if value not in RECOMPUTE_MODES:
+            raise ValueError(f"mode[{name!r}]={value!r} is not a recompute mode; allowed: 'full', 'selective'")
+    return dict(mode)
+
+
+def checkpoint_modules(
+    modules: Iterable[tuple[str, nn.Module]] | Iterable[nn.Module], mode: ModeLike = "full"
+) -> RecomputeHandle:
     """Recompute each given module in backward; returns the handle that restores them.
 
-    ``modules`` are ``(name, module)`` pairs (as :func:`select_modules` returns) or bare modules.
+    ``modules`` are ``(name, module)`` pairs (as :func:`select_modules` returns) or bare modules (named
+    ``"0"``, ``"1"``, ...). ``mode``: ``"full"`` (keep only the inputs), ``"selective"`` (also keep the
+    outputs of :data:`SAVED_OPS`) or a mapping name -> mode for each module.
     """
     pairs = []
     for i, item in enumerate(modules):
         pairs.append(item if isinstance(item, tuple) else (str(i), item))
     handle = RecomputeHandle()
-    handle.add(pairs)
+    handle.add(pairs, mode)
     return handle

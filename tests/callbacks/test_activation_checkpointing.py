@@ -9,11 +9,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
 
-from lightning_memkit.callbacks import ActivationCheckpointing
+from lightning_memkit.callbacks import ActivationCheckpointing, activation_checkpointing
 from lightning_memkit.demo import TinyLM
 from lightning_memkit.demo.tiny_lm import Block
-from lightning_memkit.memory import LivePeak, checkpoint_modules
+from lightning_memkit.memory import LivePeak, checkpoint_modules, is_checkpointed
+from lightning_memkit.memory.allocator_peak import AllocatorPeak
+from lightning_memkit.memory.checkpoint_plan import RecomputeCostMeter
 
 SEQ = 32
 
@@ -63,6 +66,8 @@ def test_argument_errors():
         ActivationCheckpointing(policy={Block}, offload="yes")
     with pytest.raises(ValueError, match="'lightning_memkit.demo.tiny_lm.NoBlock' cannot be imported"):
         ActivationCheckpointing(policy=["lightning_memkit.demo.tiny_lm.NoBlock"])
+    with pytest.raises(TypeError, match=r"ActivationCheckpointing\(selective='yes'\): must be a bool, got str"):
+        ActivationCheckpointing(policy={Block}, selective="yes")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only error")
@@ -98,10 +103,12 @@ def test_policy_matching_nothing_lists_the_model_classes():
 
 
 def _measured_peak(model, batch, names):
-    """Forward+backward peak of TinyLM's loss with the named blocks recomputed (as the callback measures it)."""
+    """Forward+backward peak of TinyLM's loss with the named blocks recomputed (as the callback measures it);
+    ``names`` a list (full recompute) or a mapping name -> mode."""
     modules = dict(model.named_modules())
     model.zero_grad(set_to_none=True)
-    with checkpoint_modules([(n, modules[n]) for n in names]):
+    modes = names if isinstance(names, dict) else dict.fromkeys(names, "full")
+    with checkpoint_modules([(n, modules[n]) for n in modes], mode=modes):
         with LivePeak() as lp:
             model._loss(batch).backward()
     model.zero_grad(set_to_none=True)
@@ -195,3 +202,133 @@ def test_offload_on_cuda_lowers_the_device_peak_and_keeps_gradients():
     assert peaks[1] < peaks[0]
     for a, b in zip(*losses):
         torch.testing.assert_close(b, a)
+
+
+def test_selective_training_matches_training_without():
+    plain = make_model()
+    fit(plain, [])
+    model, rec = make_model(), Recorder()
+    callback = ActivationCheckpointing(policy={Block}, selective=True)
+    fit(model, [callback, rec])
+    assert callback.modes == dict.fromkeys(["blocks.0", "blocks.1", "blocks.2"], "selective")
+    assert rec.patched == [True] * 3
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+    assert "3 layers recomputed (blocks.0 (selective), blocks.1 (selective), blocks.2 (selective))" in (
+        callback.memory_effect())
+
+
+class FixedCosts(RecomputeCostMeter):
+    """Measured op times are noisy (and at d_model 32 not matmul-bound): selective 1, full 3 per layer."""
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.costs = {name: {"selective": 1.0, "full": 3.0} for name in self.costs}
+
+
+def test_selective_budget_uses_selective_first_and_full_only_where_needed(monkeypatch):
+    monkeypatch.setattr(activation_checkpointing, "RecomputeCostMeter", FixedCosts)
+    model = make_model(n_layers=4)
+    batch = next(iter(loader()))
+    names = [f"blocks.{i}" for i in range(4)]
+    none, sel, full = (_measured_peak(model, batch, modes) for modes in
+                       ({}, dict.fromkeys(names, "selective"), dict.fromkeys(names, "full")))
+    assert full < sel < none
+    for budget, used in ((sel + (none - sel) // 4, {"selective"}), ((sel + full) // 2, {"full", "selective"})):
+        callback = ActivationCheckpointing(policy={Block}, budget_bytes=budget, selective=True)
+        fit(model, [callback], steps=1)
+        assert set(callback.modes.values()) <= used, callback.modes
+        assert callback.plan.modes == callback.modes and callback.checkpointed == list(callback.modes)
+        assert callback.measured_peak_bytes <= budget
+        assert callback.measured_peak_bytes == _measured_peak(model, batch, callback.modes)
+        assert callback.plan.baseline_peak == none
+        assert f"{callback.plan.saved_bytes:,} activation bytes recomputed" in callback.memory_effect()
+        if used == {"selective"}:  # a budget that selective recompute reaches: no block recomputed in full
+            assert f"{callback.checkpointed[0]} (selective)" in callback.memory_effect()
+    assert "full" in callback.modes.values()  # below the all-selective peak, full recompute is needed somewhere
+
+
+# -- torch.compile -------------------------------------------------------------------------------
+
+
+class CompiledStepLM(TinyLM):
+    """``training_step`` without ``self.log``: Lightning 2.6 cannot log from a compiled ``training_step``."""
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+
+class StepRecord(L.Callback):
+    """Per step: the loss, which blocks are patched, and the forward+backward peak counted by the allocator."""
+
+    def __init__(self):
+        self.losses, self.patched, self.peaks = [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.counter = AllocatorPeak("cpu").__enter__()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.counter.__exit__(None, None, None)
+        self.peaks.append(self.counter.peak_bytes)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        self.patched.append([is_checkpointed(b) for b in pl_module.blocks])
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled_fit(callbacks, backend, steps=3):
+    """Fit a compiled CompiledStepLM; returns the StepRecord and the FX graphs dynamo produced."""
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return backend(gm, example_inputs) if callable(backend) else lookup_backend(backend)(gm, example_inputs)
+
+    torch.manual_seed(0)
+    model = CompiledStepLM(d_model=32, n_layers=2, n_heads=2, seq_len=SEQ)
+    rec = StepRecord()
+    fit(torch.compile(model, backend=recording), [*callbacks, rec], steps=steps)
+    return rec, graphs
+
+
+def _checkpoint_regions(graphs):
+    hop = torch.ops.higher_order.tag_activation_checkpoint
+    return sum(node.target is hop for gm in graphs for node in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_model_trains_with_selective_and_full_recompute(backend, fresh_dynamo):
+    """Recompute traced into the compiled graph (one checkpoint region per block), same losses, lower peak."""
+    torch.manual_seed(0)
+    eager = StepRecord()
+    fit(CompiledStepLM(d_model=32, n_layers=2, n_heads=2, seq_len=SEQ), [eager])
+    plain, graphs = _compiled_fit([], backend)
+    assert _checkpoint_regions(graphs) == 0
+    for selective in (True, False):
+        callback = ActivationCheckpointing(policy={Block}, selective=selective)
+        rec, graphs = _compiled_fit([callback], backend)
+        assert rec.patched == [[True, True]] * 3 and _checkpoint_regions(graphs) == 2
+        assert set(callback.modes.values()) == {"selective" if selective else "full"}
+        for a, b in zip(rec.losses, eager.losses):
+            assert abs(a - b) <= 1e-5
+        assert rec.peaks[-1] < plain.peaks[-1]
+
+
+def test_compiled_budget_is_planned_on_the_compiled_step(fresh_dynamo):
+    plain, _ = _compiled_fit([], "aot_eager", steps=2)
+    budget = plain.peaks[-1] - 1
+    callback = ActivationCheckpointing(policy={Block}, budget_bytes=budget, selective=True)
+    rec, graphs = _compiled_fit([callback], "aot_eager", steps=2)
+    assert callback.modes and callback.measured_peak_bytes <= budget
+    # the planning run measured the compiled step: the first step (gradients allocated anew, as in planning)
+    # agrees within a few bytes, and every step stays within the budget
+    assert abs(rec.peaks[0] - callback.measured_peak_bytes) <= 1e-3 * budget
+    assert max(rec.peaks) <= budget
+    assert _checkpoint_regions(graphs[-1:]) == len(callback.modes)  # the last graph compiled is the plan's

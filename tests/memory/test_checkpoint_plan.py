@@ -1,11 +1,20 @@
 import itertools
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_memkit.memory import plan_checkpointing
-from lightning_memkit.memory.checkpoint_plan import best_peak, layer_savings, predicted_peak
+from lightning_memkit.memory.checkpoint_plan import (
+    RecomputeCostMeter,
+    best_peak,
+    calibrate,
+    layer_savings,
+    mixed_peak,
+    plan_recompute,
+    predicted_peak,
+)
 
 
 def _brute_force_min(savings, baseline, budget, overhead):
@@ -69,3 +78,93 @@ def test_argument_errors():
 
 def test_layer_savings_subtracts_kept_inputs():
     assert layer_savings({"a": 100, "b": 10}, {"a": 30, "b": 50}) == {"a": 70, "b": 0}
+
+
+def _brute_force_cheapest(savings, costs, baseline, budget, overhead):
+    """Least total cost over every none/selective/full assignment whose predicted peak fits (None: none fits)."""
+    best = None
+    for choice in itertools.product((None, "selective", "full"), repeat=len(savings)):
+        modes = {n: m for n, m in zip(savings, choice) if m is not None}
+        if any(savings[n][m] <= 0 for n, m in modes.items()):
+            continue  # the planner never recomputes a layer in a mode that saves nothing
+        if mixed_peak(savings, baseline, modes, overhead) <= budget:
+            cost = sum(costs[n][m] for n, m in modes.items())
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(-5, 60), st.integers(0, 100), st.integers(0, 9), st.integers(0, 20)),
+                  min_size=1, max_size=5),
+    baseline=st.integers(min_value=0, max_value=400),
+    budget=st.integers(min_value=0, max_value=400),
+    overhead=st.tuples(st.integers(0, 30), st.integers(0, 30)),
+)
+def test_mixed_plan_is_the_cheapest_of_all_assignments(rows, baseline, budget, overhead):
+    savings = {f"l{i}": {"selective": s, "full": f} for i, (s, f, _, _) in enumerate(rows)}
+    costs = {f"l{i}": {"selective": cs, "full": cf} for i, (_, _, cs, cf) in enumerate(rows)}
+    ovh = {"selective": overhead[0], "full": overhead[1]}
+    expected = _brute_force_cheapest(savings, costs, baseline, budget, ovh)
+    if baseline <= budget:
+        assert plan_recompute(savings, baseline, budget, costs, ovh).layers == []
+        return
+    if expected is None:
+        with pytest.raises(ValueError, match=r"cannot be reached: the best achievable peak is \d+ bytes"):
+            plan_recompute(savings, baseline, budget, costs, ovh)
+        return
+    plan = plan_recompute(savings, baseline, budget, costs, ovh)
+    assert plan.predicted_cost == expected
+    assert plan.predicted_peak == mixed_peak(savings, baseline, plan.modes, ovh) <= budget
+    assert plan.predicted_cost == sum(costs[n][m] for n, m in plan.modes.items())
+
+
+def test_mixed_plan_prefers_selective_then_upgrades_to_full():
+    savings = {f"b{i}": {"selective": 20, "full": 50} for i in range(4)}
+    costs = {f"b{i}": {"selective": 1.0, "full": 3.5} for i in range(4)}
+    plan = plan_recompute(savings, baseline_peak=300, budget_bytes=230, costs=costs)
+    assert plan.modes == dict.fromkeys(["b0", "b1", "b2", "b3"], "selective") and plan.predicted_peak == 220
+    plan = plan_recompute(savings, baseline_peak=300, budget_bytes=200, costs=costs)  # 80 selective is not enough
+    assert plan.modes == {"b0": "full", "b1": "selective", "b2": "selective", "b3": "selective"}
+    assert plan.selective == ["b1", "b2", "b3"] and plan.predicted_peak == 190 and plan.predicted_cost == 6.5
+    assert plan.saved_bytes == 110 and "b0 (full)" in str(plan)
+    plan = plan_recompute(savings, baseline_peak=300, budget_bytes=100, costs=costs)
+    assert plan.modes == dict.fromkeys(["b0", "b1", "b2", "b3"], "full") and plan.predicted_peak == 100
+    # full cheaper per byte than selective: no selective at all
+    cheap_full = {f"b{i}": {"selective": 1.0, "full": 1.5} for i in range(4)}
+    assert set(plan_recompute(savings, 300, 200, cheap_full).modes.values()) == {"full"}
+
+
+def test_mixed_plan_errors():
+    savings = {"a": {"selective": 10, "full": 30}}
+    with pytest.raises(ValueError, match=r"budget_bytes=10 cannot be reached: the best achievable peak is 75 bytes"):
+        plan_recompute(savings, baseline_peak=100, budget_bytes=10, recompute_overhead={"full": 5})
+    with pytest.raises(ValueError, match=r"plan_recompute\(savings\['a'\]=\{'full': 3\}\): must map exactly"):
+        plan_recompute({"a": {"full": 3}}, 100, 50)
+    with pytest.raises(TypeError, match=r"plan_recompute\(savings=...\) must be a mapping"):
+        plan_recompute([1], 100, 50)
+    with pytest.raises(ValueError, match=r"plan_recompute\(costs\['a'\]\['full'\]=-1\): must be a finite number >= 0"):
+        plan_recompute(savings, 100, 50, costs={"a": {"selective": 1, "full": -1}})
+    with pytest.raises(ValueError, match=r"costs=...\) must name the same layers as savings"):
+        plan_recompute(savings, 100, 50, costs={"b": {"selective": 1, "full": 2}})
+    with pytest.raises(ValueError, match=r"plan_recompute\(recompute_overhead\['full'\]=-1\): must be an int >= 0"):
+        plan_recompute(savings, 100, 50, recompute_overhead={"full": -1})
+
+
+def test_calibrate_reproduces_the_measured_all_layer_peaks():
+    savings = {"a": {"selective": 10, "full": 40}, "b": {"selective": 10, "full": 40}}
+    overhead = {"selective": 4, "full": 8}
+    measured = {"none": 150, "selective": 142, "full": 114}  # profiled: 200 - 20 + 4, 200 - 80 + 8
+    baseline, fitted, ovh = calibrate(savings, overhead, measured)
+    assert baseline == 150
+    for mode in ("selective", "full"):
+        assert mixed_peak(fitted, baseline, {"a": mode, "b": mode}, ovh) == measured[mode]
+
+
+def test_cost_meter_times_each_layer_forward_only():
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    with RecomputeCostMeter([("0", net[0]), ("1", net[1])]) as meter:
+        net(torch.randn(8, 16, requires_grad=True)).sum().backward()
+    assert meter.costs["0"]["full"] > 0 and meter.costs["0"]["selective"] < meter.costs["0"]["full"]  # addmm saved
+    assert meter.costs["1"]["selective"] == meter.costs["1"]["full"] > 0  # GELU: nothing kept by selective
+    assert not net[0]._forward_hooks and not net[0]._forward_pre_hooks  # hooks removed on exit
