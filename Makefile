@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch served here; override, e.g. `make test TORCH_SPEC="torch>=2.6"`.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.memkit-installed
+BENCH_STAMP := $(VENV)/.memkit-bench-installed
 
 .PHONY: demo test bench lint venv clean
 
@@ -28,7 +29,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-bench: $(STAMP)
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[test,hf,bench]"
+	touch $(BENCH_STAMP)
+
+# The benchmarks, with their peers installed (the `bench` extra).
+bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.run $(BENCH_ARGS)
 
 lint: $(STAMP)

@@ -27,7 +27,7 @@ from lightning_memkit.ops.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["lm_head_loss"]
 
-_FUSED_ONLY = ("chunk_size", "accum_dtype")
+_FUSED_ONLY = ("chunk_size", "chunk_bytes", "accum_dtype")
 
 
 def lm_head_loss(
@@ -46,7 +46,8 @@ def lm_head_loss(
         fused: ``True`` calls :func:`~lightning_memkit.ops.linear_cross_entropy` (the logits are never
             materialized); ``False`` applies the head and :func:`~lightning_memkit.ops.cross_entropy`.
         options: forwarded to the chosen op (``ignore_index``, ``label_smoothing``, ``z_loss``,
-            ``softcap``, ``reduction``, ...; ``chunk_size`` and ``accum_dtype`` need ``fused=True``).
+            ``softcap``, ``reduction``, ...; ``chunk_size``, ``chunk_bytes`` and ``accum_dtype`` need
+            ``fused=True``).
     """
     if not isinstance(lm_head, nn.Linear):
         raise TypeError(
