@@ -186,7 +186,9 @@ class _Chunker:
 def _buffers(x, weight, bias, accum_dtype, need):
     dx = torch.empty_like(x) if need[0] else None
     dw = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if need[1] else None
-    db = torch.zeros(bias.shape, dtype=accum_dtype, device=bias.device) if need[2] else None
+    # db costs V values: always accumulated in fp32 (or wider), cast at the end
+    db_dtype = torch.promote_types(accum_dtype, torch.float32)
+    db = torch.zeros(bias.shape, dtype=db_dtype, device=bias.device) if need[2] else None
     return dx, dw, db
 
 
@@ -355,9 +357,11 @@ def linear_cross_entropy(
         chunk_bytes: the chunk budget in bytes. ``None`` (default): a third of the bytes of
             ``dW + dx`` (a tenth with ``reduction="none"``), at most a quarter of the device's free
             memory, at least 1 MiB. Only with ``chunk_size="auto"``.
-        accum_dtype: dtype in which ``dW`` and ``db`` accumulate across chunks. ``None`` (default):
-            the weight's dtype, each chunk's product formed in fp32 and rounded once into it (no
-            fp32 copy of ``dW``); ``torch.float32`` keeps an fp32 accumulator, cast at the end.
+        accum_dtype: dtype in which ``dW`` accumulates across chunks. ``None`` (default): the
+            weight's dtype, each chunk's product formed in fp32 and rounded once into it (no fp32
+            copy of ``dW``; in bf16 the rounding error grows with the number of chunks, so with a
+            budget that forces many chunks prefer ``torch.float32``); ``torch.float32`` keeps an
+            fp32 accumulator, cast at the end. ``db`` always accumulates in fp32.
 
     Under ``torch.autocast`` the inputs are cast to the autocast dtype first, like ``F.linear``.
     With ``reduction="mean"``/``"sum"`` the graph can be differentiated once (gradients are built in
