@@ -44,6 +44,7 @@ from lightning_memkit.memory.checkpoint_plan import (
     CheckpointPlan,
     RecomputeCostMeter,
     calibrate,
+    calibrate_activations,
     layer_savings,
     plan_checkpointing,
     plan_recompute,
@@ -207,7 +208,8 @@ class ActivationCheckpointing(Callback):
     selective or full recompute: the planning runs also measure every layer selectively recomputed and the
     time of each layer's forward ops (full) and of its non-matmul ops (selective), and
     :func:`~lightning_memkit.memory.plan_recompute` picks the assignment with the least predicted recompute
-    time whose predicted peak fits (selective first, full only where needed); the plan is then measured and
+    time whose predicted peak fits (selective first, full only where needed; a layer's full recompute is
+    charged after the later layers' backward has freed their activations); the plan is then measured and
     re-planned for a target lowered by a measured overshoot or raised by a measured slack (up to four measured
     plans; the cheapest that fits is kept, else every layer in full). ``memory_effect()`` and ``modes`` say
     which layer got which mode.
@@ -480,9 +482,10 @@ class ActivationCheckpointing(Callback):
             peaks.setdefault("selective", peaks["none"])
         overhead = {m: max(0, profiled[m] - (baseline - sum(r[m] for r in savings.values() if r[m] > 0)))
                     for m in ("selective", "full")}
+        acts = calibrate_activations(acts, savings, overhead, measured)  # freed before an earlier full recompute
         baseline, savings, overhead = calibrate(savings, overhead, measured)
         if self.selective:
-            return self._mixed_plan(savings, baseline, overhead, costs, measured, peak)
+            return self._mixed_plan(savings, baseline, overhead, costs, measured, peak, acts)
         return self._full_plan({n: r["full"] for n, r in savings.items()}, baseline, overhead["full"], measured, peak)
 
     def _full_plan(
@@ -513,7 +516,8 @@ class ActivationCheckpointing(Callback):
         return plan, peak_of(k)
 
     def _mixed_plan(
-        self, savings: dict, baseline: int, overhead: dict, costs: dict, measured: dict[str, int], peak: Callable
+        self, savings: dict, baseline: int, overhead: dict, costs: dict, measured: dict[str, int], peak: Callable,
+        acts: dict[str, int] | None = None,
     ) -> tuple[CheckpointPlan, int]:
         """The cheapest none/selective/full plan whose *measured* peak fits, searched over the planning target.
 
@@ -521,7 +525,8 @@ class ActivationCheckpointing(Callback):
         it by the slack (a cheaper plan may fit too), bisecting once both sides are known. Up to ``_MAX_PROBES``
         plans are measured; the cheapest that fits is kept, else every layer in full if that fits.
         """
-        replan = functools.partial(plan_recompute, savings, baseline, costs=costs, recompute_overhead=overhead)
+        replan = functools.partial(plan_recompute, savings, baseline, costs=costs, recompute_overhead=overhead,
+                                   activation_bytes=acts)
         budget, target = self.budget_bytes, self.budget_bytes
         tried: dict[tuple, int] = {}
         best: tuple[CheckpointPlan, int] | None = None

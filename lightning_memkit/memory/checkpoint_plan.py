@@ -16,10 +16,19 @@ checks this against every subset).
 
 Mixed plans (:func:`plan_recompute`): each layer is left alone, recomputed selectively (its matmul and
 attention outputs kept, the rest rebuilt: a smaller saving ``s_i^sel`` for a small time cost ``c_i^sel``)
-or recomputed in full (``s_i^full`` for ``c_i^full``). The overhead is that of the most expensive mode
-used. Among the assignments whose predicted peak is within the budget, the one with the least predicted
-recompute time is exact by dynamic programming over the layers (a Pareto front of saved bytes against
-time, the saving capped at what the budget needs).
+or recomputed in full (``s_i^full`` for ``c_i^full``), ``s_i`` being the saving of its mode. A full
+recompute of layer ``i`` runs in backward after the later layers' backward has freed all they saved
+(``a_j``, ``activation_bytes``), so with ``i*`` the last (in forward order) layer recomputed in full::
+
+    peak = max(baseline_peak - sum(s_i) + overhead_sel,                      (overhead_sel if any selective)
+               baseline_peak - sum(s_i, i <= i*) - sum(a_j, j > i*) + overhead_full)   (if any full)
+
+(every layer in full gives ``baseline_peak - sum(s_i) + overhead_full``, the measured all-full peak).
+Without ``activation_bytes`` nothing later is counted as freed: the full term is
+``baseline_peak - sum(s_i) + overhead_full``. Among the assignments whose predicted peak is within the
+budget, the one with the least predicted recompute time is exact: for each ``i*`` a dynamic program over
+the layers before it and one over those after it (Pareto fronts of saved bytes against time, the saving
+capped at what the budget needs), joined on the two constraints.
 
 Example::
 
@@ -38,9 +47,11 @@ Example::
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +70,7 @@ __all__ = [
     "predicted_peak",
     "mixed_peak",
     "calibrate",
+    "calibrate_activations",
     "RecomputeCostMeter",
     "DEFAULT_COSTS",
 ]
@@ -191,14 +203,28 @@ def mixed_peak(
     baseline_peak: int,
     modes: Mapping[str, str],
     recompute_overhead: Mapping[str, int] | None = None,
+    activation_bytes: Mapping[str, int] | None = None,
 ) -> int:
-    """The predicted peak of a mixed plan: baseline minus each layer's saving in its mode, plus the largest
-    overhead among the modes used (none when nothing is recomputed)."""
+    """The predicted peak of a mixed plan (module docstring): the larger of the selective term (baseline minus
+    every saving, plus the selective overhead if a layer is selective) and the full-recompute term.
+
+    ``savings`` gives the model order; ``activation_bytes`` (layer -> bytes it saves with nothing recomputed)
+    is what a later layer frees before a full recompute (``None``: nothing counted as freed)."""
     if not modes:
         return baseline_peak
     overhead = recompute_overhead or {}
-    return (baseline_peak - sum(savings[name][mode] for name, mode in modes.items())
-            + max(overhead.get(mode, 0) for mode in set(modes.values())))
+    peak = baseline_peak - sum(savings[name][mode] for name, mode in modes.items())
+    if "selective" in modes.values():
+        peak += overhead.get("selective", 0)
+    if "full" not in modes.values():
+        return peak
+    names = list(savings)
+    last = max(i for i, name in enumerate(names) if modes.get(name) == "full")
+    kept = names if activation_bytes is None else names[:last + 1]  # later layers free all they saved
+    full = baseline_peak - sum(savings[name][modes[name]] for name in kept if name in modes)
+    if activation_bytes is not None:
+        full -= sum(activation_bytes[name] for name in names[last + 1:])
+    return max(peak, full + overhead.get("full", 0))
 
 
 def _check_per_mode(table: object, what: str, names: Sequence[str] | None, number: bool) -> dict[str, dict]:
@@ -219,10 +245,24 @@ def _check_per_mode(table: object, what: str, names: Sequence[str] | None, numbe
     return out
 
 
+def _check_activations(table: object, names: Sequence[str]) -> dict[str, int] | None:
+    """``activation_bytes`` validated: ``None`` or layer -> int >= 0 for exactly the layers of ``savings``."""
+    if table is None:
+        return None
+    if not isinstance(table, Mapping):
+        raise TypeError(f"plan_recompute(activation_bytes=...) must be a mapping of layer name -> bytes, "
+                        f"got {type(table).__name__}")
+    if list(table) != list(names):
+        raise ValueError("plan_recompute(activation_bytes=...) must name the same layers as savings, in the same order")
+    return {name: check_int(v, f"activation_bytes[{name!r}]", minimum=0, owner="plan_recompute")
+            for name, v in table.items()}
+
+
 def _front(states: list[tuple[int, float, tuple]], need: int) -> list[tuple[int, float, tuple]]:
     """The Pareto front of (saved, cost, assignment): more saved (capped at ``need``) for less time.
 
-    Ties keep the assignment that recomputes earlier layers more (lexicographically largest levels).
+    Sorted by saved bytes, most first (so by cost, most first). Ties keep the assignment that recomputes
+    earlier layers more (lexicographically largest levels).
     """
     states = [(min(saved, need), cost, levels) for saved, cost, levels in states]
     states.sort(key=lambda st: (-st[0], st[1], tuple(-lv for lv in st[2])))
@@ -234,24 +274,112 @@ def _front(states: list[tuple[int, float, tuple]], need: int) -> list[tuple[int,
     return front
 
 
-def _cheapest(savings: dict, costs: dict, allowed: tuple[str, ...], need: int) -> tuple[float, tuple] | None:
-    """Least total cost of an assignment (0 none, 1 selective, 2 full) saving at least ``need`` bytes."""
-    states: list[tuple[int, float, tuple]] = [(0, 0.0, ())]
-    for name in savings:
+_States = list[tuple[int, float, tuple]]
+
+
+def _sweep(savings: dict, costs: dict, names: Sequence[str], allowed: tuple[str, ...], need: int) -> _States:
+    """The front of the assignments (0 none, 1 selective, 2 full) of the layers ``names``."""
+    states: _States = [(0, 0.0, ())]
+    for name in names:
         options = [(0, 0.0, 0)] + [(savings[name][m], costs[name][m], 1 + MODES.index(m))
                                     for m in allowed if savings[name][m] > 0]
         states = _front([(s + ds, c + dc, lv + (lvl,)) for s, c, lv in states for ds, dc, lvl in options], need)
-    done = [st for st in states if st[0] >= need]
+    return states
+
+
+def _key(found: tuple[float, tuple]) -> tuple:
+    """Order of candidate plans: least cost, then the one recomputing earlier layers more."""
+    return found[0], tuple(-lv for lv in found[1])
+
+
+def _join(head: _States, tail: _States, need_total: int, need_head: int) -> tuple[float, tuple] | None:
+    """Cheapest ``head + tail`` with head savings >= ``need_head`` and head + tail savings >= ``need_total``."""
+    tail_saved = [-st[0] for st in tail]  # ascending; cost descends along the front
+    best = None
+    for saved, cost, levels in head:
+        if saved < need_head:
+            continue
+        k = bisect.bisect_right(tail_saved, saved - need_total) - 1  # the last (cheapest) with enough saved
+        if k >= 0:
+            found = (cost + tail[k][1], levels + tail[k][2])
+            best = found if best is None or _key(found) < _key(best) else best
+    return best
+
+
+def _cheapest(savings: dict, costs: dict, allowed: tuple[str, ...], need: int) -> tuple[float, tuple] | None:
+    """Least total cost of an assignment saving at least ``need`` bytes (no full-recompute term)."""
+    done = [st for st in _sweep(savings, costs, list(savings), allowed, need) if st[0] >= need]
     return (done[0][1], done[0][2]) if done else None
 
 
-def _best_mixed_peak(savings: dict, baseline_peak: int, overhead: Mapping[str, int]) -> int:
-    """The lowest predicted peak of any assignment: each layer in its largest-saving allowed mode."""
+def _cheapest_with_full(savings: dict, costs: dict, allowed: tuple[str, ...], need: int,
+                        full_need: Callable[[int], tuple[int, int]]) -> tuple[float, tuple] | None:
+    """Least cost over the assignments with a layer in full: for each last full layer ``i``, the cheapest
+    head (layers up to ``i``, ``i`` in full) and tail (later layers, not full) meeting ``full_need(i)``:
+    ``(total saving needed, head saving needed)``."""
+    names, rest = list(savings), tuple(m for m in allowed if m != "full")
+    best = None
+    for i, name in enumerate(names):
+        if savings[name]["full"] <= 0:
+            continue
+        need_total, need_head = full_need(i)
+        cap = max(need_total, need_head)
+        head = [(s + savings[name]["full"], c + costs[name]["full"], lv + (2,))
+                for s, c, lv in _sweep(savings, costs, names[:i], allowed, cap)]
+        found = _join(_front(head, cap), _sweep(savings, costs, names[i + 1:], rest, need_total),
+                      need_total, need_head)
+        if found is not None and (best is None or _key(found) < _key(best)):
+            best = found
+    return best
+
+
+def _full_need(baseline_peak: int, budget_bytes: int, overhead: int, need: int,
+               acts: dict[str, int] | None) -> Callable[[int], tuple[int, int]]:
+    """``i -> (total saving needed, saving needed up to i)`` for the last full layer ``i`` (module docstring)."""
+    over = baseline_peak + overhead - budget_bytes
+    if acts is None:
+        return lambda i: (max(need, over), 0)
+    freed = list(itertools.accumulate(reversed(list(acts.values())), initial=0))[::-1]  # freed[i]: layers >= i
+    return lambda i: (need, over - freed[i + 1])
+
+
+def _search(savings: dict, costs: dict, baseline_peak: int, budget_bytes: int, overhead: Mapping[str, int],
+            acts: dict[str, int] | None) -> tuple[float, tuple] | None:
+    """The cheapest assignment whose predicted peak is within the budget, over each set of modes allowed."""
+    best = None
+    for allowed in (("selective",), ("full",), MODES):
+        need = baseline_peak + (overhead["selective"] if "selective" in allowed else 0) - budget_bytes
+        if "full" in allowed:
+            full_need = _full_need(baseline_peak, budget_bytes, overhead["full"], need, acts)
+            found = _cheapest_with_full(savings, costs, allowed, need, full_need)
+        else:
+            found = _cheapest(savings, costs, allowed, need)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    return best
+
+
+def _greedy_modes(savings: dict, allowed: tuple[str, ...], last: int) -> dict[str, str]:
+    """Layer ``last`` in full, the others in their largest-saving allowed mode (none in full after ``last``)."""
+    modes = {}
+    for i, name in enumerate(savings):
+        pool = ("full",) if i == last else allowed if i < last else tuple(m for m in allowed if m != "full")
+        options = [m for m in pool if savings[name][m] > 0]
+        if options:
+            modes[name] = max(options, key=savings[name].__getitem__)
+    return modes
+
+
+def _best_mixed_peak(savings: dict, baseline_peak: int, overhead: Mapping[str, int],
+                     acts: dict[str, int] | None = None) -> int:
+    """The lowest predicted peak of any assignment: for each set of modes and last full layer, the others in
+    their largest-saving allowed mode (both terms of the peak only fall as savings grow)."""
     best = baseline_peak
     for allowed in (("selective",), ("full",), MODES):
-        saved = sum(max(0, *(row[m] for m in allowed)) for row in savings.values())
-        if saved > 0:
-            best = min(best, baseline_peak - saved + max(overhead[m] for m in allowed))
+        lasts = [i for i, row in enumerate(savings.values()) if row["full"] > 0] if "full" in allowed else [-1]
+        for last in lasts:
+            modes = _greedy_modes(savings, allowed, last if last >= 0 else len(savings))
+            best = min(best, mixed_peak(savings, baseline_peak, modes, overhead, acts))
     return best
 
 
@@ -261,6 +389,7 @@ def plan_recompute(
     budget_bytes: int,
     costs: Mapping[str, Mapping[str, float]] | None = None,
     recompute_overhead: Mapping[str, int] | None = None,
+    activation_bytes: Mapping[str, int] | None = None,
 ) -> CheckpointPlan:
     """Per layer none, selective or full recompute: the least predicted recompute time within ``budget_bytes``.
 
@@ -270,7 +399,11 @@ def plan_recompute(
         budget_bytes: the peak to reach.
         costs: layer -> ``{"selective": t, "full": t}``, the time each mode adds (default
             :data:`DEFAULT_COSTS` for every layer).
-        recompute_overhead: ``{"selective": bytes, "full": bytes}``, the transient each mode adds when used.
+        recompute_overhead: ``{"selective": bytes, "full": bytes}``, the transient each mode adds when used
+            (``"full"``: measured with every layer in full).
+        activation_bytes: layer -> bytes it saves for backward with nothing recomputed (inputs included), freed
+            by its backward before any earlier layer is recomputed in full (``None``: nothing counted as freed;
+            the full overhead then adds to every saving). See :func:`mixed_peak`.
 
     The result's ``layers`` are the recomputed layers, ``selective`` those of them recomputed selectively,
     ``modes`` both as a mapping. Raises ``ValueError`` stating the best achievable peak when no assignment
@@ -288,24 +421,20 @@ def plan_recompute(
                           mode_savings=rows)
     if baseline_peak <= budget_bytes:
         return plan
-    best = None
-    for allowed in (("selective",), ("full",), MODES):
-        need = baseline_peak + max(overhead[m] for m in allowed) - budget_bytes
-        found = _cheapest(rows, cost_rows, allowed, need)
-        if found is not None and (best is None or found[0] < best[0]):
-            best = found
+    acts = _check_activations(activation_bytes, names)
+    best = _search(rows, cost_rows, baseline_peak, budget_bytes, overhead, acts)
     if best is None:
         raise ValueError(
             f"budget_bytes={budget_bytes} cannot be reached: the best achievable peak is "
-            f"{_best_mixed_peak(rows, baseline_peak, overhead)} "
-            f"bytes (baseline {baseline_peak} bytes, every candidate layer recomputed); raise budget_bytes, widen the "
-            "policy or lower the batch size"
+            f"{_best_mixed_peak(rows, baseline_peak, overhead, acts)} bytes (baseline {baseline_peak} bytes, "
+            "best none/selective/full assignment of the candidate layers); raise budget_bytes, widen the policy or "
+            "lower the batch size"
         )
     modes = {n: MODES[lv - 1] for n, lv in zip(names, best[1]) if lv}
     plan.layers = list(modes)
     plan.selective = [n for n, m in modes.items() if m == "selective"]
     plan.predicted_cost = best[0]
-    plan.predicted_peak = mixed_peak(rows, baseline_peak, modes, overhead)
+    plan.predicted_peak = mixed_peak(rows, baseline_peak, modes, overhead, acts)
     return plan
 
 
@@ -327,12 +456,39 @@ def calibrate(
         ...           {"none": 80, "selective": 75, "full": 40})
         (80, {'a': {'selective': 5, 'full': 40}}, {'selective': 0, 'full': 0})
     """
-    scale = {}
-    for mode in MODES:  # the model's profiled reduction: the savings minus the overhead (clipped at 0 when negative)
-        cut = sum(row[mode] for row in savings.values() if row[mode] > 0) - overhead.get(mode, 0)
-        scale[mode] = max(0.0, (measured["none"] - measured[mode]) / cut) if cut > 0 else 0.0
+    scale = _scales(savings, overhead, measured)
     fitted = {name: {m: round(row[m] * scale[m]) for m in MODES} for name, row in savings.items()}
     return measured["none"], fitted, {m: round(overhead.get(m, 0) * scale[m]) for m in MODES}
+
+
+def _scales(savings: Mapping[str, Mapping[str, int]], overhead: Mapping[str, int],
+            measured: Mapping[str, int]) -> dict[str, float]:
+    """Per mode: measured reduction over the profiled one (its savings minus its overhead; 0 when not positive)."""
+    scale = {}
+    for mode in MODES:
+        cut = sum(row[mode] for row in savings.values() if row[mode] > 0) - overhead.get(mode, 0)
+        scale[mode] = max(0.0, (measured["none"] - measured[mode]) / cut) if cut > 0 else 0.0
+    return scale
+
+
+def calibrate_activations(
+    activation_bytes: Mapping[str, int],
+    savings: Mapping[str, Mapping[str, int]],
+    overhead: Mapping[str, int],
+    measured: Mapping[str, int],
+) -> dict[str, int]:
+    """Per-layer activation bytes scaled as :func:`calibrate` scales the full-recompute savings (same arguments).
+
+    With every layer in full the fitted model then still predicts the measured all-full peak.
+
+    Example::
+
+        >>> calibrate_activations({"a": 50}, {"a": {"selective": 10, "full": 40}}, {"selective": 0, "full": 0},
+        ...                       {"none": 80, "selective": 75, "full": 60})
+        {'a': 25}
+    """
+    scale = _scales(savings, overhead, measured)["full"]
+    return {name: round(a * scale) for name, a in activation_bytes.items()}
 
 
 class RecomputeCostMeter(TorchDispatchMode):

@@ -16,7 +16,7 @@ from lightning_memkit.demo import TinyLM
 from lightning_memkit.demo.tiny_lm import Block
 from lightning_memkit.memory import LivePeak, checkpoint_modules, is_checkpointed
 from lightning_memkit.memory.allocator_peak import AllocatorPeak
-from lightning_memkit.memory.checkpoint_plan import RecomputeCostMeter
+from lightning_memkit.memory.checkpoint_plan import RecomputeCostMeter, mixed_peak
 
 SEQ = 32
 
@@ -247,6 +247,34 @@ def test_selective_budget_uses_selective_first_and_full_only_where_needed(monkey
             assert f"{callback.checkpointed[0]} (selective)" in callback.memory_effect()
     assert "full" in callback.modes.values()  # below the all-selective peak, full recompute is needed somewhere
 
+
+
+def test_selective_budget_charges_a_full_recompute_after_the_later_layers_freed(monkeypatch):
+    """The planner's peak model on the real step: an early block's full recompute runs after the later blocks'
+    backward freed their activations, so F S S S is predicted exactly (the old charge, the full overhead on top of
+    every saving, was above it); no plan is predicted below its measured peak."""
+    monkeypatch.setattr(activation_checkpointing, "RecomputeCostMeter", FixedCosts)
+    calls, plan = [], activation_checkpointing.plan_recompute
+    monkeypatch.setattr(activation_checkpointing, "plan_recompute",
+                        lambda *a, **k: calls.append((a, k)) or plan(*a, **k))
+    model = make_model(n_layers=4)
+    batch = next(iter(loader()))
+    names = [f"blocks.{i}" for i in range(4)]
+    sel = _measured_peak(model, batch, dict.fromkeys(names, "selective"))
+    full = _measured_peak(model, batch, dict.fromkeys(names, "full"))
+    fit(model, [ActivationCheckpointing(policy={Block}, budget_bytes=(sel + full) // 2, selective=True)], steps=1)
+    (savings, baseline), kw = calls[0][0][:2], calls[0][1]
+    overhead, acts = kw["recompute_overhead"], kw["activation_bytes"]
+    assert list(acts) == names and all(acts[n] > savings[n]["full"] for n in names)  # inputs kept by full recompute
+    assert overhead["full"] > 0
+    for plan_text in ("F S S S", "F F - S", "F - S -", "S S S F", "F F F F"):
+        modes = {n: m for n, m in zip(names, plan_text.split()) if m != "-"}
+        modes = {n: {"F": "full", "S": "selective"}[m] for n, m in modes.items()}
+        measured = _measured_peak(model, batch, modes)
+        predicted = mixed_peak(savings, baseline, modes, overhead, acts)
+        assert predicted >= measured, plan_text
+        if plan_text.startswith("F") and plan_text != "F F F F":  # later blocks not in full: exact
+            assert predicted == measured < mixed_peak(savings, baseline, modes, overhead), plan_text
 
 # -- torch.compile -------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from lightning_memkit.memory.checkpoint_plan import (
     RecomputeCostMeter,
     best_peak,
     calibrate,
+    calibrate_activations,
     layer_savings,
     mixed_peak,
     plan_recompute,
@@ -80,43 +81,89 @@ def test_layer_savings_subtracts_kept_inputs():
     assert layer_savings({"a": 100, "b": 10}, {"a": 30, "b": 50}) == {"a": 70, "b": 0}
 
 
-def _brute_force_cheapest(savings, costs, baseline, budget, overhead):
-    """Least total cost over every none/selective/full assignment whose predicted peak fits (None: none fits)."""
-    best = None
+def _reference_peak(savings, baseline, modes, overhead, acts):
+    """The mixed peak model written out: the selective term, and the term of the last full layer's recompute
+    (the layers after it have freed everything they saved; without ``acts`` nothing is counted as freed)."""
+    if not modes:
+        return baseline
+    names = list(savings)
+    saved = [savings[n][modes[n]] if n in modes else 0 for n in names]
+    peak = baseline - sum(saved) + (overhead["selective"] if "selective" in modes.values() else 0)
+    fulls = [i for i, n in enumerate(names) if modes.get(n) == "full"]
+    if fulls:
+        i = fulls[-1]
+        freed = sum(acts[n] for n in names[i + 1:]) if acts is not None else sum(saved[i + 1:])
+        peak = max(peak, baseline - sum(saved[:i + 1]) - freed + overhead["full"])
+    return peak
+
+
+def _brute_force_cheapest(savings, costs, baseline, budget, overhead, acts=None):
+    """(least cost, lowest peak) over every none/selective/full assignment (least cost None: none fits)."""
+    best, lowest = None, baseline
     for choice in itertools.product((None, "selective", "full"), repeat=len(savings)):
         modes = {n: m for n, m in zip(savings, choice) if m is not None}
         if any(savings[n][m] <= 0 for n, m in modes.items()):
             continue  # the planner never recomputes a layer in a mode that saves nothing
-        if mixed_peak(savings, baseline, modes, overhead) <= budget:
+        peak = _reference_peak(savings, baseline, modes, overhead, acts)
+        assert mixed_peak(savings, baseline, modes, overhead, acts) == peak
+        lowest = min(lowest, peak)
+        if peak <= budget:
             cost = sum(costs[n][m] for n, m in modes.items())
             best = cost if best is None else min(best, cost)
-    return best
+    return best, lowest
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    rows=st.lists(st.tuples(st.integers(-5, 60), st.integers(0, 100), st.integers(0, 9), st.integers(0, 20)),
-                  min_size=1, max_size=5),
+    rows=st.lists(st.tuples(st.integers(-5, 60), st.integers(0, 100), st.integers(0, 9), st.integers(0, 20),
+                            st.integers(0, 40)), min_size=1, max_size=5),
     baseline=st.integers(min_value=0, max_value=400),
     budget=st.integers(min_value=0, max_value=400),
-    overhead=st.tuples(st.integers(0, 30), st.integers(0, 30)),
+    overhead=st.tuples(st.integers(0, 30), st.integers(0, 60)),
+    with_acts=st.booleans(),
 )
-def test_mixed_plan_is_the_cheapest_of_all_assignments(rows, baseline, budget, overhead):
-    savings = {f"l{i}": {"selective": s, "full": f} for i, (s, f, _, _) in enumerate(rows)}
-    costs = {f"l{i}": {"selective": cs, "full": cf} for i, (_, _, cs, cf) in enumerate(rows)}
+def test_mixed_plan_is_the_cheapest_of_all_assignments(rows, baseline, budget, overhead, with_acts):
+    savings = {f"l{i}": {"selective": s, "full": f} for i, (s, f, _, _, _) in enumerate(rows)}
+    costs = {f"l{i}": {"selective": cs, "full": cf} for i, (_, _, cs, cf, _) in enumerate(rows)}
+    # what a layer saves with nothing recomputed: its full saving plus its inputs (kept by full recompute)
+    acts = {f"l{i}": max(s, f) + kept for i, (s, f, _, _, kept) in enumerate(rows)} if with_acts else None
     ovh = {"selective": overhead[0], "full": overhead[1]}
-    expected = _brute_force_cheapest(savings, costs, baseline, budget, ovh)
+    expected, lowest = _brute_force_cheapest(savings, costs, baseline, budget, ovh, acts)
     if baseline <= budget:
-        assert plan_recompute(savings, baseline, budget, costs, ovh).layers == []
+        assert plan_recompute(savings, baseline, budget, costs, ovh, acts).layers == []
         return
     if expected is None:
-        with pytest.raises(ValueError, match=r"cannot be reached: the best achievable peak is \d+ bytes"):
-            plan_recompute(savings, baseline, budget, costs, ovh)
+        with pytest.raises(ValueError, match=f"cannot be reached: the best achievable peak is {lowest} bytes"):
+            plan_recompute(savings, baseline, budget, costs, ovh, acts)
         return
-    plan = plan_recompute(savings, baseline, budget, costs, ovh)
+    plan = plan_recompute(savings, baseline, budget, costs, ovh, acts)
     assert plan.predicted_cost == expected
-    assert plan.predicted_peak == mixed_peak(savings, baseline, plan.modes, ovh) <= budget
+    assert plan.predicted_peak == _reference_peak(savings, baseline, plan.modes, ovh, acts) <= budget
     assert plan.predicted_cost == sum(costs[n][m] for n, m in plan.modes.items())
+
+
+def test_full_recompute_peak_counts_what_later_layers_freed():
+    """F S S S: the full recompute of b0 runs after b1..b3 freed their 20 bytes each; the selective term decides."""
+    names = [f"b{i}" for i in range(4)]
+    savings = dict.fromkeys(names, {"selective": 5, "full": 15})
+    costs = dict.fromkeys(names, {"selective": 1.0, "full": 3.5})
+    acts, ovh = dict.fromkeys(names, 20), {"selective": 2, "full": 10}
+    fsss = {"b0": "full", "b1": "selective", "b2": "selective", "b3": "selective"}
+    # selective term 100 - 30 + 2 = 72; full term 100 - 15 - 3 * 20 + 10 = 35
+    assert mixed_peak(savings, 100, fsss, ovh, acts) == 72
+    assert mixed_peak(savings, 100, fsss, ovh) == 80  # without activation bytes: 100 - 30 + 10
+    # the last layer in full frees nothing after it: 100 - 30 + 10 = 80 either way
+    sssf = {"b0": "selective", "b1": "selective", "b2": "selective", "b3": "full"}
+    assert mixed_peak(savings, 100, sssf, ovh, acts) == 80
+    plan = plan_recompute(savings, 100, 75, costs, ovh, acts)
+    assert plan.modes == fsss and plan.predicted_peak == 72 and plan.predicted_cost == 6.5
+    # the old charge (full overhead on top of every saving) needs 35 bytes saved: F F S - at cost 8
+    old = plan_recompute(savings, 100, 75, costs, ovh)
+    assert old.modes == {"b0": "full", "b1": "full", "b2": "selective"} and old.predicted_peak == 75
+    assert old.predicted_cost == 8.0
+    # below 72 F S S S no longer fits: two layers in full (F F - -: 100 - 30 = 70, full term 100 - 30 - 40 + 10)
+    plan = plan_recompute(savings, 100, 71, costs, ovh, acts)
+    assert plan.modes == {"b0": "full", "b1": "full"} and plan.predicted_peak == 70 and plan.predicted_cost == 7.0
 
 
 def test_mixed_plan_prefers_selective_then_upgrades_to_full():
@@ -149,6 +196,12 @@ def test_mixed_plan_errors():
         plan_recompute(savings, 100, 50, costs={"b": {"selective": 1, "full": 2}})
     with pytest.raises(ValueError, match=r"plan_recompute\(recompute_overhead\['full'\]=-1\): must be an int >= 0"):
         plan_recompute(savings, 100, 50, recompute_overhead={"full": -1})
+    with pytest.raises(TypeError, match=r"plan_recompute\(activation_bytes=...\) must be a mapping"):
+        plan_recompute(savings, 100, 50, activation_bytes=[3])
+    with pytest.raises(ValueError, match=r"activation_bytes=...\) must name the same layers as savings"):
+        plan_recompute(savings, 100, 50, activation_bytes={"b": 3})
+    with pytest.raises(ValueError, match=r"plan_recompute\(activation_bytes\['a'\]=-2\): must be an int >= 0"):
+        plan_recompute(savings, 100, 50, activation_bytes={"a": -2})
 
 
 def test_calibrate_reproduces_the_measured_all_layer_peaks():
@@ -159,6 +212,9 @@ def test_calibrate_reproduces_the_measured_all_layer_peaks():
     assert baseline == 150
     for mode in ("selective", "full"):
         assert mixed_peak(fitted, baseline, {"a": mode, "b": mode}, ovh) == measured[mode]
+    acts = calibrate_activations({"a": 50, "b": 60}, savings, overhead, measured)
+    assert acts == {"a": 25, "b": 30}  # scaled as the full savings: (150 - 114) / (80 - 8) = 0.5
+    assert fitted["a"]["full"] == 20
 
 
 def test_cost_meter_times_each_layer_forward_only():
