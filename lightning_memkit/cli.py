@@ -8,7 +8,8 @@ summary, the latest ``SavedTensorProfiler`` table with the paths of its JSON/PNG
 and last training loss.
 
 ``validate``, ``test`` and ``predict`` run as in Lightning (``predict`` then prints what it predicted);
-``memkit compare --config C ...`` is :func:`lightning_memkit.compare.main`.
+``memkit compare --config C ...`` is :func:`lightning_memkit.compare.main`; ``memkit estimate ...`` (the
+predicted memory of a training step, nothing allocated) is :func:`lightning_memkit.estimate_cli.main`.
 
 A bad configuration value (unknown key, wrong type, bad ``class_path``, or a ``ValueError``/``TypeError``
 raised by a constructor) is a :class:`ConfigError`: ``memkit`` prints it on one or two lines, naming the
@@ -379,7 +380,8 @@ def _debug_requested(argv: list[str]) -> bool:
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``memkit`` console script; ``args`` as for ``LightningCLI`` (default: ``sys.argv[1:]``).
 
-    ``memkit compare ...`` goes to :func:`lightning_memkit.compare.main`, anything else to :class:`MemkitCLI`.
+    ``memkit compare ...`` goes to :func:`lightning_memkit.compare.main`, ``memkit estimate ...`` to
+    :func:`lightning_memkit.estimate_cli.main`, anything else to :class:`MemkitCLI`.
     A :class:`ConfigError` prints ``memkit: error: ...`` on stderr and exits with status 2, unless ``--debug``
     is given (removed before parsing) or ``MEMKIT_DEBUG=1`` is set: then it propagates with its traceback.
     """
@@ -396,6 +398,10 @@ def main(args: ArgsType = None) -> None:
             from lightning_memkit.compare import main as compare_main
 
             compare_main(argv[1:])
+        elif argv[:1] == ["estimate"]:
+            from lightning_memkit.estimate_cli import main as estimate_main
+
+            estimate_main(argv[1:])
         else:
             MemkitCLI(args=None if from_sys else argv)
     except ConfigError as err:

@@ -14,9 +14,11 @@ from lightning_memkit.memory.device import (
     active_device_index,
     device_total_memory,
     effective_device_memory,
+    free_device_memory,
     memory_fraction,
     resolve_device,
 )
+from lightning_memkit.memory.estimate import MemoryEstimate, PhaseEstimate, estimate_training_memory
 from lightning_memkit.memory.host_rss import HostRSS, MemoryReport, current_rss_bytes
 from lightning_memkit.memory.live_peak import DeviceBytes, LivePeak
 from lightning_memkit.memory.referrers import Referrer, ReferrerReport, find_referrers
@@ -37,6 +39,9 @@ from lightning_memkit.memory.storage_release import (
 
 __all__ = [
     "release_optimizer_state",
+    "estimate_training_memory",
+    "MemoryEstimate",
+    "PhaseEstimate",
     "find_referrers",
     "empty_device_cache",
     "Referrer",
@@ -68,6 +73,7 @@ __all__ = [
     "active_device_index",
     "device_total_memory",
     "effective_device_memory",
+    "free_device_memory",
     "memory_fraction",
     "resolve_device",
     "profile_saved_tensors",

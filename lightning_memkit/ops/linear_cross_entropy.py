@@ -45,6 +45,8 @@ from torch.autograd.function import once_differentiable
 
 from lightning_memkit.memory.device import free_device_memory
 from lightning_memkit.ops._cross_entropy_common import (
+    FREE_FRACTION,
+    MIN_ROWS,
     CrossEntropyOptions,
     budget_rows,
     check_backend,
@@ -308,9 +310,11 @@ def _upcast(x: torch.Tensor, backend: str) -> bool:
 def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes) -> ChunkPlan:
     """The chunk rows (and fp32 weight slab rows on the CPU fp16/bf16 path) for ``linear_cross_entropy``."""
     h, v = weight.shape[1], weight.shape[0]
+    auto = chunk_size == "auto" and chunk_bytes is None
+    free = free_device_memory(hidden.device) if auto else None
     if chunk_bytes is None:
         grad_bytes = (weight.numel() + n_rows * h) * hidden.element_size()
-        chunk_bytes = chunk_budget(grad_bytes, o.reduction, free_device_memory(hidden.device))
+        chunk_bytes = chunk_budget(grad_bytes, o.reduction, free)
     # bytes per row of the chunk buffers: fp32 logits (the compute dtype on Triton), a second fp32 buffer for
     # softcap's derivative on the PyTorch path, and on the upcast path the chunk's fp32 hidden and dx rows
     row_bytes = v * (hidden.element_size() if backend == "triton" else 4)
@@ -321,7 +325,13 @@ def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes) -> C
         slab = max(16, chunk_bytes // 8 // (2 * 4 * h))  # two fp32 slab temporaries: an eighth of the budget
         chunk_bytes -= 2 * 4 * h * min(slab, v)
         row_bytes += 2 * 4 * h
-    rows = int(chunk_size) if chunk_size != "auto" else budget_rows(chunk_bytes, row_bytes, n_rows)
+    if chunk_size != "auto":
+        rows = int(chunk_size)
+    else:
+        rows = budget_rows(chunk_bytes, row_bytes, n_rows)
+        if auto and o.reduction != "none":  # tall enough GEMMs, as far as a quarter of the free memory allows
+            floor = MIN_ROWS if free is None else min(MIN_ROWS, int(FREE_FRACTION * free) // row_bytes)
+            rows = max(rows, floor)
     return ChunkPlan(max(1, min(rows, n_rows)), slab)
 
 
@@ -356,7 +366,8 @@ def linear_cross_entropy(
             buffers (fp32 logits; twice that with ``softcap`` on the PyTorch path).
         chunk_bytes: the chunk budget in bytes. ``None`` (default): a third of the bytes of
             ``dW + dx`` (a tenth with ``reduction="none"``), at most a quarter of the device's free
-            memory, at least 1 MiB. Only with ``chunk_size="auto"``.
+            memory, at least 1 MiB; with ``"mean"``/``"sum"`` at least 448 rows where a quarter of the
+            free memory holds them. Only with ``chunk_size="auto"``.
         accum_dtype: dtype in which ``dW`` accumulates across chunks. ``None`` (default): the
             weight's dtype, each chunk's product formed in fp32 and rounded once into it (no fp32
             copy of ``dW``; in bf16 the rounding error grows with the number of chunks, so with a

@@ -1,0 +1,242 @@
+"""estimate_training_memory: predicted steady-state step peak vs the peak LivePeak measures in a real Trainer step.
+
+Each case is a tiny model (TinyLM, or a random Llama, Qwen3-MoE or GPT-OSS from its config class) with one
+feature or a combination. The prediction runs the same model factory, batch shape, loss, optimizer and
+features under fake tensors (:func:`lightning_memkit.memory.estimate_training_memory`). The measurement
+opens one ``LivePeak`` before the model is built, trains two steps with ``Trainer`` on CPU (the batches made
+fresh by the data loader, as a device copy would be) and reads the peak of the second step, from
+``on_train_batch_start`` to ``on_train_batch_end``: weights, gradients, optimizer state, batch and
+activations all counted. Goal: within 5% on every case.
+
+Case 2: how long the estimate of the GPT-OSS-20B-shaped config in ``examples/hf_configs/`` takes.
+
+    python -m benchmarks.run --only estimate [--quick]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import record
+from lightning_memkit.memory import LivePeak, estimate_training_memory
+
+BATCH, SEQ, VOCAB = 4, 32, 256
+TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model and feature combination: ``family`` is ``tiny_lm`` or one of ``HF_FAMILIES``."""
+
+    family: str
+    features: tuple[str, ...] = ()  # "checkpoint", "fused", "sgd" (else AdamW), "eager experts" (MoE loop)
+    precision: str = "32-true"
+
+    @property
+    def name(self) -> str:
+        parts = [*self.features, *([] if self.precision == "32-true" else [self.precision])]
+        return f"{self.family}: {' + '.join(parts) or 'plain'}"
+
+    @property
+    def optimizer(self) -> str:
+        return "sgd" if "sgd" in self.features else "adamw"
+
+
+FAST_CASES = (  # the default test suite's share: one dense and one MoE family, four features
+    Case("llama", ("checkpoint", "fused", "sgd"), "bf16-true"),
+    Case("gpt_oss", ("eager experts",)),
+)
+CASES = (
+    *[Case("tiny_lm", f) for f in [(), ("checkpoint",), ("fused",), ("sgd",)]],
+    Case("tiny_lm", (), "bf16-true"),
+    Case("tiny_lm", ("checkpoint", "fused")),
+    *[Case("llama", f) for f in [(), ("checkpoint",), ("fused",), ("sgd",)]],
+    Case("llama", (), "bf16-true"),
+    Case("llama", ("checkpoint", "fused"), "bf16-true"),
+    Case("llama", ("checkpoint", "fused", "sgd"), "bf16-true"),
+    *[Case(fam, f) for fam in ("qwen3_moe", "gpt_oss")
+      for f in [(), ("checkpoint",), ("fused",), ("eager experts",), ("eager experts", "checkpoint")]],
+    Case("qwen3_moe", ("checkpoint", "fused", "sgd"), "bf16-true"),
+    Case("qwen3_moe", ("eager experts", "checkpoint", "fused"), "bf16-true"),
+    Case("gpt_oss", ("checkpoint", "fused"), "bf16-true"),
+)
+
+
+# -- the pieces both sides share ---------------------------------------------------------------------------------
+def model_factory(case: Case) -> Callable[[], torch.nn.Module]:
+    if case.family == "tiny_lm":
+        from lightning_memkit.demo import TinyLM
+
+        loss = "fused" if "fused" in case.features else "standard"
+        return lambda: TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=SEQ, loss=loss)
+    from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
+
+    def build() -> torch.nn.Module:
+        model = tiny_hf_causal_lm(case.family, seed=0, hidden_size=64, num_layers=2, vocab_size=VOCAB)
+        if "eager experts" in case.features:  # transformers' per-expert loop instead of grouped_mm
+            model.set_experts_implementation("eager")
+        return model
+
+    return build
+
+
+def make_batch(case: Case) -> Any:
+    ids, labels = torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
+    return (ids, labels) if case.family == "tiny_lm" else {"input_ids": ids, "labels": labels}
+
+
+def loss_fn(case: Case) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+    if case.family != "tiny_lm":
+        return lambda model, batch: model(**batch).loss
+    if "fused" in case.features:
+        from lightning_memkit.ops import lm_head_loss
+
+        return lambda model, batch: lm_head_loss(model(batch[0], hidden=True), model.head, batch[1])
+    return lambda model, batch: F.cross_entropy(model(batch[0]).reshape(-1, VOCAB), batch[1].reshape(-1))
+
+
+# -- prediction ----------------------------------------------------------------------------------------------
+def predict(case: Case) -> int:
+    """The predicted steady-state step peak of ``case`` in bytes."""
+    patches = []
+    hf = case.family != "tiny_lm"
+    if hf and "fused" in case.features:
+        from lightning_memkit.hf import fused_linear_cross_entropy
+
+        patches.append(fused_linear_cross_entropy)
+    if hf and "checkpoint" in case.features:
+        from lightning_memkit.hf.layers import kv_cache_off
+
+        patches.append(kv_cache_off)
+    est = estimate_training_memory(model_factory(case), lambda: make_batch(case), loss_fn=loss_fn(case),
+                                   optimizer=case.optimizer, precision=case.precision,
+                                   checkpoint="auto" if "checkpoint" in case.features else None, patches=patches)
+    return est.peak_bytes
+
+
+# -- measurement -------------------------------------------------------------------------------------------
+class _Batches(torch.utils.data.Dataset):
+    def __init__(self, case: Case):
+        self.case = case
+
+    def __len__(self) -> int:
+        return 4 * BATCH
+
+    def __getitem__(self, i: int) -> Any:
+        ids, labels = torch.randint(0, VOCAB, (SEQ,)), torch.randint(0, VOCAB, (SEQ,))
+        return (ids, labels) if self.case.family == "tiny_lm" else {"input_ids": ids, "labels": labels}
+
+
+def _module(case: Case) -> Any:
+    import lightning.pytorch as pl
+
+    class Fit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model_factory(case)()
+            self.loss = loss_fn(case)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.loss(self.net, batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            params = [p for p in self.parameters() if p.requires_grad]
+            if case.optimizer == "sgd":
+                return torch.optim.SGD(params, lr=1e-3, momentum=0.9)  # what estimate's "sgd" stands for
+            return torch.optim.AdamW(params, lr=1e-3)
+
+    return Fit()
+
+
+def _callbacks(case: Case, meter: Any) -> list[Any]:
+    from lightning_memkit.callbacks import ActivationCheckpointing
+
+    out = [meter]
+    if "checkpoint" in case.features:
+        out.append(ActivationCheckpointing())
+    if "fused" in case.features and case.family != "tiny_lm":
+        from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
+
+        out.append(FusedLinearCrossEntropy())
+    return out
+
+
+def _meter(tracker: LivePeak, out: dict[str, int]) -> Any:
+    from lightning.pytorch.callbacks import Callback
+
+    class SecondStep(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == 1:
+                tracker.reset_peak()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx == 1:
+                out["peak"] = tracker.by_device["cpu"].peak
+
+    return SecondStep()
+
+
+def measure(case: Case) -> int:
+    """The peak ``LivePeak`` counts in the second step of a real two-step ``Trainer.fit`` of ``case``."""
+    import lightning.pytorch as pl
+
+    out: dict[str, int] = {}
+    gc.collect()
+    with warnings.catch_warnings(), LivePeak() as tracker:
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        module = _module(case)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, precision=case.precision, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=_callbacks(case, _meter(tracker, out)))
+        loader = torch.utils.data.DataLoader(_Batches(case), batch_size=BATCH)
+        with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
+            trainer.fit(module, loader)
+        del module, trainer, loader
+    gc.collect()
+    return out["peak"]
+
+
+def compare(case: Case) -> dict[str, Any]:
+    """``{case, predicted, measured, error}``: ``error`` is ``predicted / measured - 1``."""
+    predicted, measured = predict(case), measure(case)
+    return {"case": case.name, "predicted": predicted, "measured": measured, "error": predicted / measured - 1}
+
+
+def _timing() -> dict[str, Any]:
+    from lightning_memkit.estimate_cli import estimate_from_hf_config
+
+    start = time.perf_counter()
+    est = estimate_from_hf_config("examples/hf_configs/gpt_oss_20b.json", seq_len=4096, batch_size=1,
+                                  precision="bf16-true")
+    seconds = time.perf_counter() - start
+    return record("estimate", "GPT-OSS-20B-shaped config, seq 4096, batch 1, bf16-true, AdamW: time to estimate",
+                  "none", [{"impl": "estimate_training_memory", "seconds": round(seconds, 1),
+                            "predicted peak GiB": round(est.peak_bytes / 2**30, 2),
+                            "parameters": est.parameters}],
+                  goal="under 60 s on 2 CPU cores", met=seconds < 60)
+
+
+def run(device: str = "cpu", quick: bool = False) -> list[dict]:
+    torch.set_num_threads(1)
+    rows = []
+    for case in FAST_CASES if quick else CASES:
+        r = compare(case)
+        rows.append({"impl": r["case"], "predicted B": r["predicted"], "measured B": r["measured"],
+                     "error %": round(100 * r["error"], 2)})
+    worst = max(abs(r["error %"]) for r in rows)
+    entries = [record("estimate", f"predicted vs measured steady-state step peak ({len(rows)} cases, tiny models, "
+                      "CPU, LivePeak)", "LivePeak in a real Trainer step", rows,
+                      goal=f"every case within {100 * TOLERANCE:.0f}%", met=worst <= 100 * TOLERANCE)]
+    if not quick:
+        entries.append(_timing())
+    return entries
