@@ -196,7 +196,6 @@ def stage_cost_matrix(
     kept = [
         out[i] if (layers[i].saves_output or (i + 1 < n and layers[i + 1].saves_input)) else 0 for i in range(n)
     ]
-    static = _prefix([c.static_bytes for c in layers])
     act = _prefix([c.activation_bytes for c in layers])
     kept_p = _prefix(kept)
     a = torch.arange(n + 1)[:, None]
@@ -206,32 +205,48 @@ def stage_cost_matrix(
     out_t = torch.tensor(out, dtype=torch.int64)
     out_last = out_t[bm1.clamp(max=n - 1)].expand(n + 1, n + 1)
     per_mb = (act[b] - act[a]) + (kept_p[bm1] - kept_p[a.clamp(max=n)]).clamp(min=0) + out_last
-    cost = static[b] - static[a]
-    params = _prefix([c.param_bytes for c in layers])
-    if sharded:  # parameter and optimizer shards, full (unsharded) gradients while the microbatches run backward
-        shards = _prefix([-(-(c.param_bytes + c.optimizer_bytes) // dp) + c.grad_bytes for c in layers])
-        cost = shards[b] - shards[a]
+    cost = _weights_cost(layers, a, b, dp, sharded)
     if stage > 0:
         out_prev = out_t[(a - 1).clamp(min=0, max=n - 1)].expand(n + 1, n + 1)
         cost = cost + microbatches * torch.where(a > 0, out_prev, torch.zeros_like(out_prev))
     if stage < num_stages - 1:
         cost = cost + microbatches * out_last
-    training = inflight * per_mb + _backward_peak(layers, kept, act, kept_p, a, b, n, params if sharded else None)
+    params = _prefix([c.param_bytes for c in layers]) if sharded else None
+    training = inflight * per_mb + _backward_peak(layers, kept, act, kept_p, a, b, n, params)
     if dp > 1 and not sharded:  # all-reduce buffer: max(min(grads, bucket), largest gradient), allreduce_buffer_bytes
-        grads = _prefix([c.grad_bytes for c in layers])
-        reduce = torch.maximum((grads[b] - grads[a]).clamp(max=bucket),
-                               _range_max([c.largest_grad_bytes for c in layers]))
-        training = torch.maximum(training, reduce)
+        training = torch.maximum(training, _allreduce_cost(layers, a, b, bucket))
+    training = torch.maximum(training, _step_cost(layers, a, b, dp, sharded))
+    cost = cost + training
+    return torch.where(valid, cost.double(), torch.full(cost.shape, _INF, dtype=torch.float64))
+
+
+def _weights_cost(layers, a, b, dp: int, sharded: bool) -> torch.Tensor:
+    """Bytes that stay for the whole step: weights, gradients and optimizer state (their shards under FSDP,
+    with full gradients while the microbatches run backward)."""
+    if sharded:
+        shards = _prefix([-(-(c.param_bytes + c.optimizer_bytes) // dp) + c.grad_bytes for c in layers])
+        return shards[b] - shards[a]
+    static = _prefix([c.static_bytes for c in layers])
+    return static[b] - static[a]
+
+
+def _allreduce_cost(layers, a, b, bucket: int) -> torch.Tensor:
+    """The DDP all-reduce buffer of layers ``[a, b)``: ``max(min(grads, bucket), largest gradient)``."""
+    grads = _prefix([c.grad_bytes for c in layers])
+    return torch.maximum((grads[b] - grads[a]).clamp(max=bucket), _range_max([c.largest_grad_bytes for c in layers]))
+
+
+def _step_cost(layers, a, b, dp: int, sharded: bool) -> torch.Tensor:
+    """The optimizer step's temporaries (the largest per-parameter one, plus foreach groups); under FSDP on
+    shards, with sharded gradients in place of the full ones."""
     single = _range_max([0 if c.step_foreach else c.step_bytes for c in layers])
     grouped = _prefix([c.step_bytes if c.step_foreach else 0 for c in layers])
     step = single + (grouped[b] - grouped[a]).clamp(min=0)
-    if sharded:  # the step updates shards: sharded gradients replace the full ones
+    if sharded:
         grads = _prefix([c.grad_bytes for c in layers])
         shard_grads = _prefix([-(-c.grad_bytes // dp) for c in layers])
         step = -(-step // dp) + (shard_grads[b] - shard_grads[a]) - (grads[b] - grads[a])
-    training = torch.maximum(training, step)
-    cost = cost + training
-    return torch.where(valid, cost.double(), torch.full(cost.shape, _INF, dtype=torch.float64))
+    return step
 
 
 def _backward_peak(layers, kept, act, kept_p, a, b, n, params=None) -> torch.Tensor:
