@@ -34,6 +34,7 @@ import re
 import sys
 import warnings
 from argparse import ArgumentError
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -372,6 +373,18 @@ def describe_predictions(predictions: Any) -> str:
     return (f"predict: {len(batches)} batches, {samples} samples; first batch: {first.dtype} tensor of shape "
             f"{tuple(first.shape)}")
 
+
+def parse_subcommand(parser: Any, argv: Sequence[str] | None) -> tuple[Any, list[str]]:
+    """``(args, overrides)`` of a ``memkit`` subcommand's ``argparse`` parser: ``-h``/``--help`` prints its help
+    and exits; a parse error is a :class:`ConfigError`; unknown ``--key value`` pairs are returned as overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        raise SystemExit(0)
+    try:
+        return parser.parse_known_args(argv)
+    except ArgumentError as err:
+        raise ConfigError(str(err)) from err
 
 def _debug_requested(argv: list[str]) -> bool:
     return "--debug" in argv or os.environ.get("MEMKIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")

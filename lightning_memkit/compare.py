@@ -487,18 +487,9 @@ def main(argv: Sequence[str] | None = None) -> Comparison:
 
     Bad arguments raise :class:`~lightning_memkit.cli.ConfigError` (``memkit`` prints it in one line).
     """
-    import sys
+    from lightning_memkit.cli import ConfigError, parse_subcommand, report_console
 
-    from lightning_memkit.cli import ConfigError, report_console
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        _parser().print_help()
-        raise SystemExit(0)
-    try:
-        args, overrides = _parser().parse_known_args(argv)
-    except argparse.ArgumentError as err:
-        raise ConfigError(str(err)) from err
+    args, overrides = parse_subcommand(_parser(), argv)
     if args.config is None:
         raise ConfigError("--config is required: memkit compare --config path/to/config.yaml")
     result = compare(args.config, steps=args.steps, out_dir=args.out_dir, overrides=overrides)

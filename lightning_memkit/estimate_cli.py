@@ -336,18 +336,9 @@ def _check_pipeline(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> MemoryEstimate | PipelineEstimate:
     """``memkit estimate ...``: print the table (or ``--json``); bad arguments raise ``ConfigError``."""
-    import sys
+    from lightning_memkit.cli import ConfigError, parse_subcommand, report_console
 
-    from lightning_memkit.cli import ConfigError, report_console
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        _parser().print_help()
-        raise SystemExit(0)
-    try:
-        args, overrides = _parser().parse_known_args(argv)
-    except argparse.ArgumentError as err:
-        raise ConfigError(str(err)) from err
+    args, overrides = parse_subcommand(_parser(), argv)
     _check(args)
     if args.hf_config is not None:
         if overrides:
