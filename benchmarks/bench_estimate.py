@@ -38,7 +38,8 @@ class Case:
     """One model and feature combination: ``family`` is ``tiny_lm`` or one of ``HF_FAMILIES``."""
 
     family: str
-    features: tuple[str, ...] = ()  # "checkpoint", "fused", "sgd" (else AdamW), "eager experts" (MoE loop)
+    features: tuple[str, ...] = ()  # "checkpoint", "fused", "sgd" (else AdamW), "eager experts" (MoE loop),
+    # "qlora" (NoSaveBitsandbytesPrecision nf4, bfloat16, LoRA rank 8; TinyLM's head unquantized), "selective"
     precision: str = "32-true"
 
     @property
@@ -54,6 +55,7 @@ class Case:
 FAST_CASES = (  # the default test suite's share: one dense and one MoE family, four features
     Case("llama", ("checkpoint", "fused", "sgd"), "bf16-true"),
     Case("gpt_oss", ("eager experts",)),
+    Case("qwen3_moe", ("qlora", "checkpoint")),
 )
 CASES = (
     *[Case("tiny_lm", f) for f in [(), ("checkpoint",), ("fused",), ("sgd",)]],
@@ -68,6 +70,13 @@ CASES = (
     Case("qwen3_moe", ("checkpoint", "fused", "sgd"), "bf16-true"),
     Case("qwen3_moe", ("eager experts", "checkpoint", "fused"), "bf16-true"),
     Case("gpt_oss", ("checkpoint", "fused"), "bf16-true"),
+    *[Case(fam, ("qlora",)) for fam in ("tiny_lm", "llama", "qwen3_moe", "gpt_oss")],
+    Case("tiny_lm", ("qlora", "checkpoint", "fused")),
+    Case("llama", ("qlora", "checkpoint", "fused", "sgd")),
+    Case("gpt_oss", ("qlora", "eager experts", "checkpoint")),
+    Case("qwen3_moe", ("qlora", "checkpoint")),
+    *[Case(fam, ("selective",)) for fam in ("tiny_lm", "llama", "gpt_oss")],
+    Case("llama", ("selective", "fused"), "bf16-true"),
 )
 
 
@@ -104,6 +113,22 @@ def loss_fn(case: Case) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
     return lambda model, batch: F.cross_entropy(model(batch[0]).reshape(-1, VOCAB), batch[1].reshape(-1))
 
 
+def plugin(case: Case, prefix: str = "") -> Any:
+    """The QLoRA plugin of a ``"qlora"`` case (TinyLM's ``head``, under ``prefix``, stays unquantized), else None."""
+    if "qlora" not in case.features:
+        return None
+    from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+
+    ignore = [f"{prefix}head"] if case.family == "tiny_lm" else None
+    return NoSaveBitsandbytesPrecision("nf4", torch.bfloat16, ignore_modules=ignore, lora_rank=8)
+
+
+def _checkpoint(case: Case) -> tuple[str | None, str]:
+    if "selective" in case.features:
+        return "auto", "selective"
+    return ("auto" if "checkpoint" in case.features else None), "full"
+
+
 # -- prediction ----------------------------------------------------------------------------------------------
 def predict(case: Case) -> int:
     """The predicted steady-state step peak of ``case`` in bytes."""
@@ -113,13 +138,14 @@ def predict(case: Case) -> int:
         from lightning_memkit.hf import fused_linear_cross_entropy
 
         patches.append(fused_linear_cross_entropy)
-    if hf and "checkpoint" in case.features:
+    policy, mode = _checkpoint(case)
+    if hf and policy is not None:
         from lightning_memkit.hf.layers import kv_cache_off
 
         patches.append(kv_cache_off)
     est = estimate_training_memory(model_factory(case), lambda: make_batch(case), loss_fn=loss_fn(case),
                                    optimizer=case.optimizer, precision=case.precision,
-                                   checkpoint="auto" if "checkpoint" in case.features else None, patches=patches)
+                                   checkpoint=policy, checkpoint_mode=mode, patches=patches, plugin=plugin(case))
     return est.peak_bytes
 
 
@@ -161,8 +187,9 @@ def _callbacks(case: Case, meter: Any) -> list[Any]:
     from lightning_memkit.callbacks import ActivationCheckpointing
 
     out = [meter]
-    if "checkpoint" in case.features:
-        out.append(ActivationCheckpointing())
+    policy, mode = _checkpoint(case)
+    if policy is not None:
+        out.append(ActivationCheckpointing(selective=mode == "selective"))
     if "fused" in case.features and case.family != "tiny_lm":
         from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
 
@@ -195,7 +222,9 @@ def measure(case: Case) -> int:
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
         module = _module(case)
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, precision=case.precision, logger=False,
+        qlora = plugin(case, prefix="net.")
+        precision = {"plugins": [qlora]} if qlora is not None else {"precision": case.precision}
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, **precision, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=_callbacks(case, _meter(tracker, out)))
         loader = torch.utils.data.DataLoader(_Batches(case), batch_size=BATCH)

@@ -150,7 +150,7 @@ def estimate_hf_pipeline(path: str | Path, stages: int, microbatches: int | None
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from lightning_memkit.hf.pipeline_stages import causal_lm_stages
-    from lightning_memkit.memory.estimate import _build, _default_dtype, _dtype, _resolve_optimizer
+    from lightning_memkit.memory.estimate import build_model, default_dtype, precision_dtype, resolve_optimizer
     from lightning_memkit.memory.estimate_trace import fake_tensors
     from lightning_memkit.pipeline import partition_layers
     from lightning_memkit.pipeline.runtime import measure_pipeline_costs
@@ -159,7 +159,7 @@ def estimate_hf_pipeline(path: str | Path, stages: int, microbatches: int | None
     model, batch = _hf_factories(Path(path), seq_len, batch_size // microbatches or 1)
     start = time.perf_counter()
     with fake_tensors(), contextlib.ExitStack() as stack:
-        net = _build(model, precision)
+        net = build_model(model, precision)
         for patch in _hf_patches(activation_checkpointing, False):
             stack.enter_context(patch(net))
         if activation_checkpointing:
@@ -169,8 +169,8 @@ def estimate_hf_pipeline(path: str | Path, stages: int, microbatches: int | None
         with unset_fake_temporarily():  # the split wraps the fake modules; its self-checks run on real numbers
             split = causal_lm_stages(net, fused_loss=fused_loss)
             inputs, target = split.inputs(batch())
-        opt = _resolve_optimizer(optimizer, None)[0](net)
-        with torch.random.fork_rng(), _default_dtype(_dtype(precision)):
+        opt = resolve_optimizer(optimizer, None)[0](net)
+        with torch.random.fork_rng(), default_dtype(precision_dtype(precision)):
             costs = measure_pipeline_costs(list(split.layers), inputs, target, loss_fn=split.loss, optimizer=opt)
         parameters = sum(p.numel() for p in net.parameters())
     partition = partition_layers(costs, stages, schedule="1f1b", microbatches=microbatches)

@@ -75,6 +75,7 @@ OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("32-true", "32", "bf16-true", "16-true", "bf16-mixed")
 STEP_PHASES = ("forward", "backward", "optimizer step")
 ZERO_GRAD = ("after_forward", "before_forward")
+CHECKPOINT_MODES = ("full", "selective")
 _COLUMNS = ("peak", "weights", "grads", "optim state", "saved", "loss/logits", "transient")  # short: 120 columns
 _OWNER = "estimate_training_memory"
 
@@ -153,7 +154,7 @@ class MemoryEstimate:
 
 
 # -- arguments ---------------------------------------------------------------------------------------------
-def _resolve_optimizer(optimizer: Any, kwargs: Mapping[str, Any] | None) -> tuple[Callable[[nn.Module], Any], str]:
+def resolve_optimizer(optimizer: Any, kwargs: Mapping[str, Any] | None) -> tuple[Callable[[nn.Module], Any], str]:
     """``(make(model) -> Optimizer over its trainable parameters, name)``."""
     def trainable(model: nn.Module) -> list[nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
@@ -171,7 +172,8 @@ def _resolve_optimizer(optimizer: Any, kwargs: Mapping[str, Any] | None) -> tupl
     return lambda m: torch.optim.AdamW(trainable(m), **args), "AdamW"
 
 
-def _dtype(precision: str) -> torch.dtype:
+def precision_dtype(precision: str) -> torch.dtype:
+    """The dtype of a ``"*-true"`` precision: bfloat16, float16, else float32."""
     return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision, torch.float32)
 
 
@@ -190,6 +192,18 @@ def _check_args(model_factory: Any, batch_factory: Any, loss_fn: Any, precision:
         if not callable(patch):
             raise TypeError(f"{_OWNER}(patches=...): entry {i} must be a callable model -> context manager, "
                             f"got {type(patch).__name__}")
+
+
+def _check_plugin(plugin: Any, precision: str) -> None:
+    if plugin is None:
+        return
+    missing = [m for m in ("convert_module", "forward_context") if not callable(getattr(plugin, m, None))]
+    if missing:
+        raise TypeError(f"{_OWNER}(plugin=...) must be a Lightning precision plugin; {type(plugin).__name__} has no "
+                        f"{', '.join(missing)}")
+    if precision != "32-true":
+        raise ValueError(f"{_OWNER}: plugin={type(plugin).__name__} sets the precision itself (as in a Trainer, "
+                         f"which refuses both); leave precision='32-true', got {precision!r}")
 
 
 # -- the step ------------------------------------------------------------------------------------------------
@@ -211,7 +225,8 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.set_default_dtype(dtype)`` for the block."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -223,7 +238,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def _forward_context(precision: str) -> Any:
     if precision == "bf16-mixed":
         return torch.autocast("cpu", dtype=torch.bfloat16)
-    return _default_dtype(_dtype(precision))
+    return default_dtype(precision_dtype(precision))
 
 
 @dataclass
@@ -238,6 +253,7 @@ class _Run:
     precision: str
     zero_grad: str
     gaps: FakeKernelGaps
+    plugin: Any = None
 
 
 def _classify_static(run: _Run) -> None:
@@ -268,7 +284,10 @@ def _step(run: _Run, record: bool) -> None:
         run.optimizer.zero_grad(set_to_none=True)
     tr.start_phase("forward" if record else None, "transient")
     first = tr.serial
-    with _forward_context(run.precision), torch.autograd.graph.saved_tensors_hooks(_pack_saved(tr), _identity):
+    if run.plugin is not None and hasattr(run.plugin, "convert_input"):
+        batch = run.plugin.convert_input(batch)
+    context = run.plugin.forward_context() if run.plugin is not None else _forward_context(run.precision)
+    with context, torch.autograd.graph.saved_tensors_hooks(_pack_saved(tr), _identity):
         loss = run.loss_fn(run.model, batch)
     tr.move_since(first, "transient", "saved activations")
     if run.zero_grad == "after_forward":
@@ -301,12 +320,14 @@ def _loss_region_hook(model: nn.Module, tracker: CategoryTracker) -> Any:
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
-    """Modules holding stacked expert weights (a ``num_experts`` int and 3-D parameters of their own)."""
+    """Modules holding stacked expert weights: a ``num_experts`` int and 3-D parameters of their own, or children
+    with the same ``num_experts`` (quantized experts)."""
     return [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
-            and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+            and (any(p.dim() == 3 for p in m.parameters(recurse=False))  # a quantized one: per-expert children
+                 or any(getattr(c, "num_experts", None) == m.num_experts for c in m.children()))]
 
 
-def _install(run: _Run, clock: _ModuleClock, checkpoint: PolicyLike | None,
+def _install(run: _Run, clock: _ModuleClock, checkpoint: tuple[PolicyLike | None, str],
              patches: Sequence[Callable[[nn.Module], Any]], stack: contextlib.ExitStack) -> list[str]:
     """Hooks, recomputation and patches, all undone by ``stack``; returns the feature names."""
     model, features = run.model, []
@@ -322,26 +343,34 @@ def _install(run: _Run, clock: _ModuleClock, checkpoint: PolicyLike | None,
             handles.append(p.register_post_accumulate_grad_hook(
                 lambda q: run.tracker.move([q.grad], "gradients")))
     stack.callback(lambda: [h.remove() for h in handles if h is not None])
-    if checkpoint is not None:
-        chosen = repeated_blocks(model) if checkpoint == "auto" else select_modules(model, checkpoint)
+    policy, mode = checkpoint
+    if policy is not None:
+        chosen = repeated_blocks(model) if policy == "auto" else select_modules(model, policy)
         if not chosen:
             raise ValueError(f"{_OWNER}(checkpoint='auto'): {type(model).__name__} has no nn.ModuleList of "
                              "same-class blocks; pass module classes or a (name, module) -> bool policy")
-        stack.enter_context(checkpoint_modules(chosen))
-        features.append(f"activation checkpointing ({len(chosen)} modules)")
+        stack.enter_context(checkpoint_modules(chosen, mode=mode))
+        features.append(f"{'selective ' if mode == 'selective' else ''}activation checkpointing "
+                        f"({len(chosen)} modules)")
+    if run.plugin is not None:
+        features.append(repr(run.plugin))
     for patch in patches:
         stack.enter_context(patch(model))
         features.append(getattr(patch, "__name__", type(patch).__name__))
     return features + ([f"{len(experts)} MoE expert modules"] if experts else [])
 
 
-def _build(model_factory: Callable[[], nn.Module], precision: str) -> nn.Module:
-    with _default_dtype(_dtype(precision)):
+def build_model(model_factory: Callable[[], nn.Module], precision: str, plugin: Any = None) -> nn.Module:
+    """``model_factory()`` in training mode, as Lightning prepares it: built under ``precision``'s dtype and cast
+    to it (``"bf16-true"``, ``"16-true"``), then converted by the precision ``plugin`` (``convert_module``)."""
+    with default_dtype(precision_dtype(precision)):
         model = model_factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_OWNER}(model_factory=...) must return a torch.nn.Module, got {type(model).__name__}")
     if precision in ("bf16-true", "16-true"):
-        model = model.to(_dtype(precision))
+        model = model.to(precision_dtype(precision))
+    if plugin is not None:
+        model = plugin.convert_module(model)
     return model.train()
 
 
@@ -365,6 +394,8 @@ def estimate_training_memory(
     patches: Sequence[Callable[[nn.Module], Any]] = (),
     expert_balance: str = "uniform",
     zero_grad: str = "after_forward",
+    plugin: Any = None,
+    checkpoint_mode: str = "full",
 ) -> MemoryEstimate:
     """Predict the per-phase device peak of a steady-state training step; see the module doc.
 
@@ -384,17 +415,24 @@ def estimate_training_memory(
         zero_grad: when the previous step's gradients are dropped (``zero_grad(set_to_none=True)``):
             ``"after_forward"`` (Lightning's automatic optimization: they are alive during the forward) or
             ``"before_forward"`` (the usual plain PyTorch loop).
+        plugin: a Lightning precision plugin (e.g. :class:`~lightning_memkit.plugins.NoSaveBitsandbytesPrecision`
+            for QLoRA): its ``convert_module`` converts the model after it is built, its ``forward_context`` and
+            ``convert_input`` wrap the forward, as in a ``Trainer``; ``precision`` must then stay ``"32-true"``.
+        checkpoint_mode: ``"full"`` (recompute whole blocks) or ``"selective"`` (keep matmul/attention outputs),
+            as :func:`~lightning_memkit.memory.checkpoint_modules`.
 
     Raises:
         TypeError / ValueError: a bad argument, named, before anything is built.
     """
     _check_args(model_factory, batch_factory, loss_fn, precision, checkpoint, patches, expert_balance)
     check_choice(zero_grad, "zero_grad", ZERO_GRAD, owner=_OWNER)
-    make_optimizer, opt_name = _resolve_optimizer(optimizer, optimizer_kwargs)
+    check_choice(checkpoint_mode, "checkpoint_mode", CHECKPOINT_MODES, owner=_OWNER)
+    _check_plugin(plugin, precision)
+    make_optimizer, opt_name = resolve_optimizer(optimizer, optimizer_kwargs)
     start = time.perf_counter()
     with fake_tensors() as gaps, CategoryTracker() as tracker, contextlib.ExitStack() as stack:
         tracker.start_phase("load", "weights")
-        model = _build(model_factory, precision)
+        model = build_model(model_factory, precision, plugin)
         tracker.start_phase(None, "transient")
         clock = _ModuleClock({id(m): name or type(m).__name__ for name, m in model.named_modules()})
         tracker.clock = clock
@@ -402,8 +440,8 @@ def estimate_training_memory(
         if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(f"{_OWNER}(optimizer=...) must make a torch.optim.Optimizer, got {type(optim).__name__}")
         run = _Run(model, optim, tracker, batch_factory, loss_fn or default_loss,
-                   precision, zero_grad, gaps)
-        features = _install(run, clock, checkpoint, patches, stack)
+                   precision, zero_grad, gaps, plugin)
+        features = _install(run, clock, (checkpoint, checkpoint_mode), patches, stack)
         _step(run, record=False)
         _step(run, record=True)
         phases = [PhaseEstimate.from_peak(name, tracker.phase_peaks[name]) for name in ("load", *STEP_PHASES)]
@@ -411,6 +449,7 @@ def estimate_training_memory(
                   sum(p.numel() for g in optim.param_groups for p in g["params"]))
         del run, model, optim
     return MemoryEstimate(phases=phases, peak_bytes=max(p.peak_bytes for p in phases[1:]), parameters=counts[0],
-                          trainable_parameters=counts[1], precision=precision, optimizer=opt_name,
+                          trainable_parameters=counts[1], optimizer=opt_name,
+                          precision=precision if plugin is None else type(plugin).__name__,
                           features=features, assumptions=_assumptions(any("MoE" in f for f in features)),
                           seconds=time.perf_counter() - start)

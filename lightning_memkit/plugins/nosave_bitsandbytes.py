@@ -269,6 +269,25 @@ def _detached(module: nn.Module, names: Iterable[str]) -> Iterator[None]:
             parent._modules[attr] = original
 
 
+def _on_fake_tensors(module: nn.Module) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(p, FakeTensor) for p in module.parameters())
+
+
+def _pack_layers(module: nn.Module, mode: str, dtype: torch.dtype, ignore_modules: set[str], prefix: str = "") -> None:
+    """Lightning's replacement rule (every ``nn.Linear`` whose name starts with no ignored prefix), with
+    :class:`~lightning_memkit.plugins.packed_linear.PackedLinear` layers."""
+    from lightning_memkit.plugins.packed_linear import PackedLinear
+
+    for name, child in module.named_children():
+        fullname = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, nn.Linear) and not any(fullname.startswith(s) for s in ignore_modules):
+            setattr(module, name, PackedLinear.from_linear(child, mode, dtype))
+        else:
+            _pack_layers(child, mode, dtype, ignore_modules, fullname)
+
+
 @contextlib.contextmanager
 def _all_or_nothing(module: nn.Module) -> Iterator[None]:
     """Undo every change to ``module``'s submodules, classes and parameters (data, ``requires_grad``) on an error."""
@@ -389,9 +408,20 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         return module
 
     def _convert_linears(self, module: nn.Module, ours: tuple[type, ...], kept: set[str]) -> nn.Module:
-        """Lightning's layer replacement (``kept`` layers hidden from it), then quantize, freeze, add LoRA."""
+        """Lightning's layer replacement (``kept`` layers hidden from it), then quantize, freeze, add LoRA.
+
+        On fake tensors (an estimate) the layers are :class:`~lightning_memkit.plugins.packed_linear.PackedLinear`:
+        bitsandbytes' ``Params4bit`` cannot hold a fake tensor.
+        """
+        from lightning_memkit.plugins.packed_linear import PackedLinear
+
+        fake = _on_fake_tensors(module)
+        if fake:
+            ours = (PackedLinear,)
         with _detached(module, [n for n, _ in module.named_modules(remove_duplicate=False) if n in kept]):
-            if not kept or any(isinstance(m, nn.Linear) for m in module.modules()):  # else nothing to replace
+            if fake:
+                _pack_layers(module, self.mode, self.dtype, self.ignore_modules)
+            elif not kept or any(isinstance(m, nn.Linear) for m in module.modules()):  # else nothing to replace
                 module = super().convert_module(module)
         layers = [m for m in module.modules() if isinstance(m, ours)]
         for layer in layers:
