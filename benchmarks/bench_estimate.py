@@ -39,7 +39,8 @@ class Case:
 
     family: str
     features: tuple[str, ...] = ()  # "checkpoint", "fused", "sgd" (else AdamW), "eager experts" (MoE loop),
-    # "qlora" (NoSaveBitsandbytesPrecision nf4, bfloat16, LoRA rank 8; TinyLM's head unquantized), "selective"
+    # "qlora" (NoSaveBitsandbytesPrecision nf4, bfloat16, LoRA rank 8; TinyLM's head unquantized), "selective",
+    # "accumulate" (accumulate_grad_batches=2: a later micro-batch, gradients alive through the step)
     precision: str = "32-true"
 
     @property
@@ -77,6 +78,10 @@ CASES = (
     Case("qwen3_moe", ("qlora", "checkpoint")),
     *[Case(fam, ("selective",)) for fam in ("tiny_lm", "llama", "gpt_oss")],
     Case("llama", ("selective", "fused"), "bf16-true"),
+    Case("tiny_lm", ("accumulate", "fused")),
+    Case("llama", ("accumulate",)),
+    Case("qwen3_moe", ("accumulate", "checkpoint"), "bf16-true"),
+    Case("gpt_oss", ("accumulate", "qlora")),
 )
 
 
@@ -145,7 +150,8 @@ def predict(case: Case) -> int:
         patches.append(kv_cache_off)
     est = estimate_training_memory(model_factory(case), lambda: make_batch(case), loss_fn=loss_fn(case),
                                    optimizer=case.optimizer, precision=case.precision,
-                                   checkpoint=policy, checkpoint_mode=mode, patches=patches, plugin=plugin(case))
+                                   checkpoint=policy, checkpoint_mode=mode, patches=patches, plugin=plugin(case),
+                                   zero_grad="accumulate" if "accumulate" in case.features else "after_forward")
     return est.peak_bytes
 
 
@@ -197,16 +203,16 @@ def _callbacks(case: Case, meter: Any) -> list[Any]:
     return out
 
 
-def _meter(tracker: LivePeak, out: dict[str, int]) -> Any:
+def _meter(tracker: LivePeak, out: dict[str, int], measured: int) -> Any:
     from lightning.pytorch.callbacks import Callback
 
     class SecondStep(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if batch_idx == 1:
+            if batch_idx == measured:
                 tracker.reset_peak()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if batch_idx == 1:
+            if batch_idx == measured:
                 out["peak"] = tracker.by_device["cpu"].peak
 
     return SecondStep()
@@ -224,9 +230,12 @@ def measure(case: Case) -> int:
         module = _module(case)
         qlora = plugin(case, prefix="net.")
         precision = {"plugins": [qlora]} if qlora is not None else {"precision": case.precision}
+        accumulate = 2 if "accumulate" in case.features else 1  # then batch 3: the second window's second
+        meter = _meter(tracker, out, 2 * accumulate - 1)
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, **precision, logger=False,
+                             accumulate_grad_batches=accumulate,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=_callbacks(case, _meter(tracker, out)))
+                             callbacks=_callbacks(case, meter))
         loader = torch.utils.data.DataLoader(_Batches(case), batch_size=BATCH)
         with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
             trainer.fit(module, loader)

@@ -359,8 +359,9 @@ def _quiet() -> Iterator[None]:
                 lg.setLevel(level)
 
 
-def _parse(config: Path, overrides: Sequence[str]) -> dict[str, Any]:
-    """The whole configuration (``config`` plus ``overrides``) as nested dicts, class paths in full."""
+def parse_config(config: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The whole configuration (``config`` plus ``overrides``: ``["--key", "value", ...]``) as nested dicts, as
+    ``memkit fit`` would parse it (validated, defaults filled, class paths in full); nothing is instantiated."""
     import yaml
 
     from lightning_memkit.cli import MemkitCLI
@@ -399,7 +400,7 @@ def compare(
     except ValueError as err:
         raise ConfigError(f"--steps: {err}") from err
     overrides = [str(a) for a in overrides]
-    parsed = _parse(config, overrides)
+    parsed = parse_config(config, overrides)
     memkit_cfg, baseline_cfg, features = split_features(parsed)
     if not features:
         raise ConfigError(

@@ -33,13 +33,20 @@ from typing import Any
 
 import torch
 
-from lightning_memkit.memory.estimate import OPTIMIZERS, PRECISIONS, MemoryEstimate, estimate_training_memory
+from lightning_memkit.memory.estimate import (
+    CHECKPOINT_MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    MemoryEstimate,
+    estimate_training_memory,
+)
 from lightning_memkit.validation import check_int
 
 __all__ = ["PipelineEstimate", "estimate_from_hf_config", "estimate_from_config", "estimate_hf_pipeline", "main"]
 
 _IGNORED_KEYS = ("_comment", "quantization_config", "torch_dtype", "dtype", "transformers_version")
-_UNSUPPORTED = {"plugin": "--plugin (quantized layers)"}
+DEFAULT_LORA_RANK = 16
+PLUGINS = tuple(f"{mode}-lora" for mode in ("nf4", "nf4-dq", "fp4", "fp4-dq", "int8"))
 
 
 def _hf_config(path: Path) -> Any:
@@ -64,20 +71,63 @@ def _hf_config(path: Path) -> Any:
 
 
 def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: int = 1, precision: str = "32-true",
-                            optimizer: str = "adamw", activation_checkpointing: bool = False,
-                            fused_loss: bool = False) -> MemoryEstimate:
+                            optimizer: str = "adamw", activation_checkpointing: bool | str = False,
+                            fused_loss: bool = False, plugin: str | None = None,
+                            lora_rank: int = DEFAULT_LORA_RANK, accumulate: bool = False) -> MemoryEstimate:
     """Estimate one training step of the causal LM described by the HF ``config.json`` at ``path``.
 
     The batch is ``input_ids`` and ``labels`` of ``(batch_size, seq_len)``; the loss is the model's own
     (``model(**batch).loss``), or :func:`~lightning_memkit.hf.fused_linear_cross_entropy` with ``fused_loss``;
-    ``activation_checkpointing`` recomputes every decoder layer with the KV cache off, as
-    :class:`~lightning_memkit.callbacks.ActivationCheckpointing` does. A ``quantization_config`` in the file is
-    ignored: the weights are dense in the training dtype.
+    ``activation_checkpointing`` (``True``/``"full"`` or ``"selective"``) recomputes every decoder layer with
+    the KV cache off, as :class:`~lightning_memkit.callbacks.ActivationCheckpointing` does; ``plugin``
+    (``"nf4-lora"``, ...: :data:`PLUGINS`) quantizes the model with
+    :class:`~lightning_memkit.plugins.NoSaveBitsandbytesPrecision` in ``precision``'s dtype with LoRA adapters
+    of ``lora_rank``. A ``quantization_config`` in the file is ignored: the weights are dense in the training
+    dtype unless ``plugin`` quantizes them. ``accumulate``: the batch is one micro-batch of several
+    (``accumulate_grad_batches > 1``): the gradients stay alive through the step.
     """
     model, batch = _hf_factories(Path(path), seq_len, batch_size)
-    return estimate_training_memory(model, batch, optimizer=optimizer, precision=precision,
-                                    checkpoint="auto" if activation_checkpointing else None,
-                                    patches=_hf_patches(activation_checkpointing, fused_loss))
+    mode = checkpoint_mode(activation_checkpointing)
+    qlora = qlora_plugin(plugin, precision, lora_rank)
+    return estimate_training_memory(model, batch, optimizer=optimizer, precision="32-true" if qlora else precision,
+                                    checkpoint="auto" if mode else None, checkpoint_mode=mode or "full",
+                                    patches=_hf_patches(bool(mode), fused_loss), plugin=qlora,
+                                    zero_grad="accumulate" if accumulate else "after_forward")
+
+
+def checkpoint_mode(activation_checkpointing: bool | str | None) -> str | None:
+    """``"full"``, ``"selective"`` or ``None`` (off) from ``True``/``False``/a mode name."""
+    from lightning_memkit.cli import ConfigError
+
+    if activation_checkpointing in (None, False):
+        return None
+    if activation_checkpointing is True:
+        return "full"
+    if activation_checkpointing not in CHECKPOINT_MODES:
+        raise ConfigError(f"--activation-checkpointing: {activation_checkpointing!r} is not a mode; allowed: "
+                          f"{', '.join(CHECKPOINT_MODES)}")
+    return activation_checkpointing
+
+
+def qlora_plugin(name: str | None, precision: str, lora_rank: int = DEFAULT_LORA_RANK) -> Any:
+    """The :class:`~lightning_memkit.plugins.NoSaveBitsandbytesPrecision` that ``--plugin name`` stands for:
+    ``name`` without ``-lora`` as its mode, ``precision``'s dtype, LoRA adapters of ``lora_rank``."""
+    from lightning_memkit.cli import ConfigError
+
+    if name is None:
+        return None
+    if name not in PLUGINS:
+        raise ConfigError(f"--plugin: {name!r} is not estimated; allowed: {', '.join(PLUGINS)} (quantized layers "
+                          "are frozen: without LoRA adapters nothing would train)")
+    check_int(lora_rank, "lora_rank", minimum=1, owner="memkit estimate")
+    from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+
+    dtype = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16}.get(
+        precision, torch.float32)
+    try:
+        return NoSaveBitsandbytesPrecision(name.removesuffix("-lora"), dtype, lora_rank=lora_rank)
+    except ValueError as err:
+        raise ConfigError(f"--plugin {name} with --precision {precision}: {err}") from err
 
 
 def _hf_factories(path: Path, seq_len: int, batch_size: int) -> tuple[Any, Any]:
@@ -179,11 +229,28 @@ def estimate_hf_pipeline(path: str | Path, stages: int, microbatches: int | None
 
 def _hf_patches(activation_checkpointing: bool, fused_loss: bool) -> list[Any]:
     """The KV cache off under checkpointing (as ``ActivationCheckpointing`` does), the fused loss if asked."""
-    from lightning_memkit.hf import fused_linear_cross_entropy
     from lightning_memkit.hf.layers import kv_cache_off
 
     patches = [kv_cache_off] if activation_checkpointing else []
-    return patches + ([fused_linear_cross_entropy] if fused_loss else [])
+    return patches + ([fused_linear_cross_entropy_inside] if fused_loss else [])
+
+
+@contextlib.contextmanager
+def fused_linear_cross_entropy_inside(module: torch.nn.Module) -> Any:
+    """:func:`~lightning_memkit.hf.fused_linear_cross_entropy` on every transformers model in ``module`` (itself, or
+    those a LightningModule holds), as the ``FusedLinearCrossEntropy`` callback applies it."""
+    from lightning_memkit.cli import ConfigError
+    from lightning_memkit.hf import fused_linear_cross_entropy
+    from lightning_memkit.hf.qlora import hf_models
+
+    models = hf_models(module)
+    if not models:
+        raise ConfigError(f"fused loss: {type(module).__name__} holds no transformers model; the fused loss "
+                          "(FusedLinearCrossEntropy, --fused-loss) replaces a Hugging Face model's own loss")
+    with contextlib.ExitStack() as stack:
+        for _, model in models:
+            stack.enter_context(fused_linear_cross_entropy(model))
+        yield
 
 
 # -- a memkit / LightningCLI config ---------------------------------------------------------------------------
@@ -193,26 +260,55 @@ def _class_name(entry: Any) -> str:
 
 
 def _config_features(trainer: dict[str, Any]) -> dict[str, Any]:
-    """Checkpointing, fused loss and precision from the trainer section of a parsed config."""
+    """Checkpointing, fused loss, precision and QLoRA plugin from the trainer section of a parsed config."""
     from lightning_memkit.cli import ConfigError
 
-    callbacks = [_class_name(c) for c in trainer.get("callbacks") or []]
-    plugins = [_class_name(p) for p in trainer.get("plugins") or []]
-    if plugins or _class_name(trainer.get("strategy")) == "MemkitPipelineStrategy" \
+    callbacks = trainer.get("callbacks") or []
+    plugins = trainer.get("plugins") or []
+    plugins = [plugins] if isinstance(plugins, (dict, str)) else list(plugins)
+    others = [_class_name(p) for p in plugins if _class_name(p) != "NoSaveBitsandbytesPrecision"]
+    if others or _class_name(trainer.get("strategy")) == "MemkitPipelineStrategy" \
             or trainer.get("strategy") == "memkit_pipeline":
-        raise ConfigError("trainer: memkit estimate does not estimate precision plugins or the pipeline strategy "
-                          "yet; remove them to estimate the plain step")
+        raise ConfigError(f"trainer: memkit estimate does not estimate {', '.join(others) or 'the pipeline strategy'} "
+                          "from a config; remove it to estimate the plain step (use --hf-config with --pipeline N "
+                          "for pipeline stages)")
     precision = str(trainer.get("precision") or "32-true")
     if precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision: {precision!r} is not estimated; allowed: {', '.join(PRECISIONS)}")
-    return {"checkpoint": "ActivationCheckpointing" in callbacks, "fused": "FusedLinearCrossEntropy" in callbacks,
-            "precision": precision}
+    if plugins and trainer.get("precision") not in (None, "32-true", "32"):
+        raise ConfigError("trainer.precision and trainer.plugins: a precision plugin sets the precision itself "
+                          f"(Trainer refuses both); remove precision={precision!r}")
+    ac = next((c for c in callbacks if _class_name(c) == "ActivationCheckpointing"), None)
+    args = (ac.get("init_args") or {}) if isinstance(ac, dict) else {}
+    return {"checkpoint": None if ac is None else ("selective" if args.get("selective") else "full"),
+            "policy": args.get("policy") or "auto",
+            "fused": any(_class_name(c) == "FusedLinearCrossEntropy" for c in callbacks),
+            "precision": precision, "plugin": _instantiate(plugins[0]) if plugins else None,
+            "accumulate": int(trainer.get("accumulate_grad_batches") or 1) > 1}
 
 
-def _first_batch(datamodule: Any) -> Any:
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    return next(iter(datamodule.train_dataloader()))
+class _Batches:
+    """The config's training batches, one per call, from its data module, made at the first call unless
+    :meth:`start` made it before. Made inside the estimate (a CPU run), the data module's tensors count as
+    device memory, as they do on a CPU device."""
+
+    def __init__(self, entry: dict[str, Any]):
+        self.entry, self.datamodule, self.batches = entry, None, None
+
+    def start(self) -> None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.datamodule = _instantiate(self.entry)
+            self.datamodule.prepare_data()
+            self.datamodule.setup("fit")
+            self.batches = iter(self.datamodule.train_dataloader())
+
+    def __call__(self) -> Any:
+        if self.batches is None:
+            self.start()
+        return next(self.batches)
 
 
 def _step_loss(module: Any, batch: Any) -> torch.Tensor:
@@ -222,26 +318,33 @@ def _step_loss(module: Any, batch: Any) -> torch.Tensor:
 
 def estimate_from_config(config: str | Path, overrides: Sequence[str] = ()) -> MemoryEstimate:
     """Estimate one training step of a memkit/LightningCLI config: its model (``class_path``), the first batch
-    of its data module, its ``configure_optimizers``, precision, ``ActivationCheckpointing`` and
-    ``FusedLinearCrossEntropy``."""
-    import warnings
-
+    of its data module, its ``configure_optimizers``, precision, ``ActivationCheckpointing`` (full or selective),
+    ``FusedLinearCrossEntropy`` and a ``NoSaveBitsandbytesPrecision`` plugin (QLoRA)."""
     from lightning_memkit.cli import ConfigError
-    from lightning_memkit.compare import _parse
+    from lightning_memkit.compare import parse_config
 
     config = Path(config)
     if not config.is_file():
         raise ConfigError(f"--config: no such file: {config}")
-    parsed = _parse(config, [str(a) for a in overrides])
-    features = _config_features(parsed.get("trainer") or {})
-    model_entry, data_entry = parsed["model"], parsed["data"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        batch = _first_batch(_instantiate(data_entry))
-    patches = _hf_patches(features["checkpoint"], features["fused"])
-    return estimate_training_memory(lambda: _instantiate(model_entry), lambda: batch, loss_fn=_step_loss,
+    return estimate_parsed_config(parse_config(config, [str(a) for a in overrides]))
+
+
+def estimate_parsed_config(parsed: dict[str, Any]) -> MemoryEstimate:
+    """:func:`estimate_from_config` of a config already parsed (``lightning_memkit.compare.parse_config``)."""
+
+    trainer = parsed.get("trainer") or {}
+    features = _config_features(trainer)
+    batches = _Batches(parsed["data"])
+    if trainer.get("accelerator") not in ("cpu", None):  # the dataset stays in host memory: not counted
+        batches.start()
+    mode = features["checkpoint"]
+    patches = _hf_patches(mode is not None, features["fused"])
+    model_entry = parsed["model"]
+    return estimate_training_memory(lambda: _instantiate(model_entry), batches, loss_fn=_step_loss,
                                     optimizer=_configured_optimizer, precision=features["precision"],
-                                    checkpoint="auto" if features["checkpoint"] else None, patches=patches)
+                                    checkpoint=features["policy"] if mode else None, checkpoint_mode=mode or "full",
+                                    patches=patches, plugin=features["plugin"],
+                                    zero_grad="accumulate" if features["accumulate"] else "after_forward")
 
 
 def _instantiate(entry: dict[str, Any]) -> Any:
@@ -262,7 +365,8 @@ def _configured_optimizer(model: Any) -> torch.optim.Optimizer:
 
 # -- command line ------------------------------------------------------------------------------------------
 _HF_DEFAULTS = {"seq_len": 2048, "batch_size": 1, "precision": "32-true", "optimizer": "adamw",
-                "activation_checkpointing": False, "fused_loss": False}
+                "activation_checkpointing": False, "fused_loss": False, "plugin": None,
+                "lora_rank": DEFAULT_LORA_RANK}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -278,11 +382,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default 1)")
     p.add_argument("--precision", default=None, help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
     p.add_argument("--optimizer", default=None, help="adamw (default) or sgd (momentum 0.9)")
-    p.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="recompute every decoder layer")
+    p.add_argument("--activation-checkpointing", nargs="?", const="full", default=None,
+                   help="recompute every decoder layer: full (the default when given) or selective (keep matmul "
+                   "and attention outputs)")
     p.add_argument("--fused-loss", action="store_true", default=None,
                    help="fused linear cross-entropy: no (B, T, V) logits")
-    p.add_argument("--plugin", default=None, help="not estimated yet")
+    p.add_argument("--plugin", default=None, help=f"quantized model with LoRA adapters (QLoRA, "
+                   f"NoSaveBitsandbytesPrecision in --precision's dtype): one of {', '.join(PLUGINS)}")
+    p.add_argument("--lora-rank", type=int, default=None, help=f"LoRA rank with --plugin (default {DEFAULT_LORA_RANK})")
+    p.add_argument("--budget", default=None, help="device memory available, e.g. 24GiB or 80GB: search the "
+                   "feature plans that fit and print the cheapest as LightningCLI YAML fragments")
+    p.add_argument("--margin", type=float, default=None,
+                   help="with --budget: a plan fits when its peak plus this fraction is within the budget "
+                   "(default 0.05, the estimate's accuracy goal)")
+    p.add_argument("--max-plans", type=int, default=None, help="with --budget: plans to print (default 3)")
     p.add_argument("--pipeline", type=int, default=None,
                    help="ranks of a memkit_pipeline (1F1B): per-rank peaks of the split it would choose")
     p.add_argument("--microbatches", type=int, default=None,
@@ -297,9 +410,6 @@ def _check(args: argparse.Namespace) -> None:
 
     if (args.config is None) == (args.hf_config is None):
         raise ConfigError("give exactly one of --config path/to/config.yaml or --hf-config path/to/config.json")
-    for key, label in _UNSUPPORTED.items():
-        if getattr(args, key) is not None:
-            raise ConfigError(f"{label} is not supported by memkit estimate yet; leave it out")
     given = [f"--{k.replace('_', '-')}" for k in _HF_DEFAULTS if getattr(args, k) is not None]
     if args.config is not None and given:
         raise ConfigError(f"{', '.join(given)}: with --config the config says these; override its keys instead "
@@ -314,7 +424,34 @@ def _check(args: argparse.Namespace) -> None:
     for key in ("seq_len", "batch_size"):
         if getattr(args, key) < 1:
             raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1, got {getattr(args, key)}")
+    if args.plugin is not None:
+        qlora_plugin(args.plugin, args.precision, args.lora_rank)  # raises naming what is allowed
+    elif args.config is None and args.lora_rank != DEFAULT_LORA_RANK:
+        raise ConfigError("--lora-rank: only with --plugin")
+    checkpoint_mode(args.activation_checkpointing)
     _check_pipeline(args)
+    _check_budget(args)
+
+
+def _check_budget(args: argparse.Namespace) -> None:
+    from lightning_memkit.cli import ConfigError
+    from lightning_memkit.estimate_plans import parse_bytes
+
+    if args.budget is None:
+        for key in ("margin", "max_plans"):
+            if getattr(args, key) is not None:
+                raise ConfigError(f"--{key.replace('_', '-')}: only with --budget")
+        return
+    if args.pipeline is not None:
+        raise ConfigError("--budget and --pipeline: the budget search tries pipeline stages itself; leave out "
+                          "--pipeline")
+    args.budget = parse_bytes(args.budget)
+    args.margin = 0.05 if args.margin is None else args.margin
+    if not 0 <= args.margin < 1:
+        raise ConfigError(f"--margin: must be in [0, 1), got {args.margin}")
+    args.max_plans = 3 if args.max_plans is None else args.max_plans
+    if args.max_plans < 1:
+        raise ConfigError(f"--max-plans: must be >= 1, got {args.max_plans}")
 
 
 def _check_pipeline(args: argparse.Namespace) -> None:
@@ -326,6 +463,8 @@ def _check_pipeline(args: argparse.Namespace) -> None:
         return
     if args.config is not None:
         raise ConfigError("--pipeline: only with --hf-config (a --config sets its strategy itself)")
+    if args.plugin is not None:
+        raise ConfigError("--pipeline with --plugin: quantized pipeline stages are not estimated; leave one out")
     if args.pipeline < 2:
         raise ConfigError(f"--pipeline: must be >= 2 ranks, got {args.pipeline}")
     args.microbatches = 4 if args.microbatches is None else args.microbatches
@@ -334,16 +473,23 @@ def _check_pipeline(args: argparse.Namespace) -> None:
                           f"got {args.microbatches}")
 
 
-def main(argv: Sequence[str] | None = None) -> MemoryEstimate | PipelineEstimate:
-    """``memkit estimate ...``: print the table (or ``--json``); bad arguments raise ``ConfigError``."""
+def main(argv: Sequence[str] | None = None) -> Any:
+    """``memkit estimate ...``: print the table (or ``--json``); bad arguments raise ``ConfigError``.
+
+    Returns the :class:`~lightning_memkit.memory.MemoryEstimate`, :class:`PipelineEstimate` or, with
+    ``--budget``, :class:`~lightning_memkit.estimate_plans.SearchResult`.
+    """
     from lightning_memkit.cli import ConfigError, parse_subcommand, report_console
 
     args, overrides = parse_subcommand(_parser(), argv)
     _check(args)
+    if args.hf_config is not None and overrides:
+        raise ConfigError(f"unrecognized arguments: {' '.join(overrides)}")
+    if args.budget is not None:
+        return _search(args, overrides)
     if args.hf_config is not None:
-        if overrides:
-            raise ConfigError(f"unrecognized arguments: {' '.join(overrides)}")
-        run = (dict(stages=args.pipeline, microbatches=args.microbatches) if args.pipeline else {})
+        run = (dict(stages=args.pipeline, microbatches=args.microbatches) if args.pipeline else
+               dict(plugin=args.plugin, lora_rank=args.lora_rank))
         fn = estimate_hf_pipeline if args.pipeline else estimate_from_hf_config
         est = fn(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
                  optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
@@ -358,3 +504,21 @@ def main(argv: Sequence[str] | None = None) -> MemoryEstimate | PipelineEstimate
         console.print(est.table())
     console.print(est.notes(), markup=False, highlight=False, soft_wrap=True)
     return est
+
+
+def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
+    """``--budget``: the plan search, with a line per estimate on stderr."""
+    import sys
+
+    from lightning_memkit.estimate_plans import ConfigRun, HFRun, search_plans
+
+    if args.hf_config is not None:
+        run = HFRun(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
+                    optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
+                    fused_loss=args.fused_loss, plugin=args.plugin, lora_rank=args.lora_rank)
+    else:
+        run = ConfigRun(args.config, list(overrides))
+    result = search_plans(run, args.budget, margin=args.margin, max_plans=args.max_plans,
+                          progress=lambda line: print(f"memkit estimate: {line}", file=sys.stderr, flush=True))
+    print(result.to_json() if args.json else result)
+    return result

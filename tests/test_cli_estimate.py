@@ -32,7 +32,7 @@ def test_hf_config_json_and_table(tiny_moe_json: Path, capsys: pytest.CaptureFix
     assert 0 <= data["phases"][0]["weights"] - 4 * data["parameters"] < 1024  # float32 weights + rotary buffers
     assert [p["phase"] for p in data["phases"]] == ["load", "forward", "backward", "optimizer step"]
     assert any("uniform expert balance" in a for a in data["assumptions"])
-    assert "fused_linear_cross_entropy" in data["features"]
+    assert "fused_linear_cross_entropy_inside" in data["features"]
     main(args)
     out = capsys.readouterr().out
     assert "optimizer step" in out and f"({data['peak_bytes']:,} B)" in out  # the same estimate, as a table
@@ -81,7 +81,20 @@ def test_pipeline_matches_the_strategy_planning_on_real_tensors(tmp_path: Path) 
     (["--hf-config", "x.json", "--precision", "fp8"], "--precision"),
     (["--hf-config", "x.json", "--optimizer", "lion"], "--optimizer"),
     (["--hf-config", "x.json", "--seq-len", "0"], "--seq-len"),
-    (["--hf-config", "x.json", "--plugin", "nf4-lora"], "--plugin"),
+    (["--hf-config", "x.json", "--plugin", "nf4"], "--plugin: 'nf4' is not estimated; allowed: nf4-lora"),
+    (["--hf-config", "x.json", "--plugin", "int8-lora", "--precision", "bf16-true"],
+     "--plugin int8-lora with --precision bf16-true"),
+    (["--hf-config", "x.json", "--lora-rank", "4"], "--lora-rank: only with --plugin"),
+    (["--hf-config", "x.json", "--plugin", "nf4-lora", "--lora-rank", "0"], "lora_rank"),
+    (["--hf-config", "x.json", "--activation-checkpointing", "partial"], "--activation-checkpointing: 'partial'"),
+    (["--hf-config", "x.json", "--budget", "0GiB"], "--budget: '0GiB' is not a positive size"),
+    (["--hf-config", "x.json", "--budget", "lots"], "--budget"),
+    (["--hf-config", "x.json", "--budget", "24XB"], "--budget"),
+    (["--hf-config", "x.json", "--margin", "0.1"], "--margin: only with --budget"),
+    (["--hf-config", "x.json", "--budget", "1GiB", "--margin", "1.5"], "--margin: must be in"),
+    (["--hf-config", "x.json", "--budget", "1GiB", "--max-plans", "0"], "--max-plans"),
+    (["--hf-config", "x.json", "--budget", "1GiB", "--pipeline", "2"], "--budget and --pipeline"),
+    (["--hf-config", "x.json", "--plugin", "nf4-lora", "--pipeline", "2"], "--pipeline with --plugin"),
     (["--hf-config", "x.json", "--pipeline", "1"], "--pipeline: must be >= 2"),
     (["--hf-config", "x.json", "--microbatches", "2"], "--microbatches: only with --pipeline"),
     (["--hf-config", "x.json", "--pipeline", "2", "--batch-size", "3"], "--microbatches: must be >= 1 and divide"),

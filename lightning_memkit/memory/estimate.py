@@ -62,6 +62,7 @@ from lightning_memkit.memory.activation_recompute import (
 from lightning_memkit.memory.estimate_trace import (
     CategoryTracker,
     FakeKernelGaps,
+    FlopCount,
     PhasePeak,
     _ModuleClock,
     fake_tensors,
@@ -74,7 +75,7 @@ __all__ = ["MemoryEstimate", "PhaseEstimate", "estimate_training_memory", "OPTIM
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("32-true", "32", "bf16-true", "16-true", "bf16-mixed")
 STEP_PHASES = ("forward", "backward", "optimizer step")
-ZERO_GRAD = ("after_forward", "before_forward")
+ZERO_GRAD = ("after_forward", "before_forward", "accumulate")
 CHECKPOINT_MODES = ("full", "selective")
 _COLUMNS = ("peak", "weights", "grads", "optim state", "saved", "loss/logits", "transient")  # short: 120 columns
 _OWNER = "estimate_training_memory"
@@ -114,6 +115,8 @@ class MemoryEstimate:
     features: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    step_flops: int = 0  # matmul/attention FLOPs of the step (FlopCount), recomputation included
+    step_bytes: int = 0  # bytes of the storages the step creates (what its memory-bound ops write)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -414,7 +417,9 @@ def estimate_training_memory(
         expert_balance: how MoE expert modules route tokens; only ``"uniform"``.
         zero_grad: when the previous step's gradients are dropped (``zero_grad(set_to_none=True)``):
             ``"after_forward"`` (Lightning's automatic optimization: they are alive during the forward) or
-            ``"before_forward"`` (the usual plain PyTorch loop).
+            ``"before_forward"`` (the usual plain PyTorch loop); ``"accumulate"``: a micro-step of gradient
+            accumulation after the first (Lightning's ``accumulate_grad_batches > 1``): the gradients are alive
+            through forward and backward, which adds into them.
         plugin: a Lightning precision plugin (e.g. :class:`~lightning_memkit.plugins.NoSaveBitsandbytesPrecision`
             for QLoRA): its ``convert_module`` converts the model after it is built, its ``forward_context`` and
             ``convert_input`` wrap the forward, as in a ``Trainer``; ``precision`` must then stay ``"32-true"``.
@@ -443,7 +448,9 @@ def estimate_training_memory(
                    precision, zero_grad, gaps, plugin)
         features = _install(run, clock, (checkpoint, checkpoint_mode), patches, stack)
         _step(run, record=False)
-        _step(run, record=True)
+        tracker.allocated = 0
+        with FlopCount() as flops:
+            _step(run, record=True)
         phases = [PhaseEstimate.from_peak(name, tracker.phase_peaks[name]) for name in ("load", *STEP_PHASES)]
         counts = (sum(p.numel() for p in model.parameters()),
                   sum(p.numel() for g in optim.param_groups for p in g["params"]))
@@ -452,4 +459,5 @@ def estimate_training_memory(
                           trainable_parameters=counts[1], optimizer=opt_name,
                           precision=precision if plugin is None else type(plugin).__name__,
                           features=features, assumptions=_assumptions(any("MoE" in f for f in features)),
-                          seconds=time.perf_counter() - start)
+                          seconds=time.perf_counter() - start, step_flops=flops.total,
+                          step_bytes=tracker.allocated)

@@ -41,8 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_memkit.memory.live_peak import LivePeak, _Entry
 from lightning_memkit.memory.storage import has_storage, iter_op_tensors, storage_key, storage_of
 
-__all__ = ["CATEGORIES", "CategoryTracker", "ExpertRouting", "FakeKernelGaps", "PhasePeak", "balanced_routing",
-           "fake_module_conversion", "fake_tensors"]
+__all__ = ["CATEGORIES", "CategoryTracker", "ExpertRouting", "FakeKernelGaps", "FlopCount", "PhasePeak",
+           "balanced_routing", "fake_module_conversion", "fake_tensors"]
 
 CATEGORIES = ("weights", "gradients", "optimizer state", "saved activations", "loss/logits", "transient")
 
@@ -123,6 +123,7 @@ class CategoryTracker(LivePeak):
         self.phase: str | None = None
         self.clock = clock
         self.serial = 0
+        self.allocated = 0  # bytes of the storages created while a phase records
 
     def start_phase(self, name: str | None, category: str) -> None:
         """Open phase ``name`` (``None``: stop recording) with new storages filed under ``category``."""
@@ -159,6 +160,8 @@ class CategoryTracker(LivePeak):
         nbytes = storage.nbytes()
         tag = [self.category, self.serial]
         self.serial += 1
+        if self.phase is not None:
+            self.allocated += nbytes
         ref = weakref.ref(storage, lambda _r, key=key: self._remove(key))
         with self._lock:
             self._entries[key] = _Entry(nbytes, str(t.device), tag, ref)
@@ -231,6 +234,27 @@ class ExpertRouting:
             if t.shape == (top_k, tokens):  # a (top_k, tokens) mask: (position, token) pairs
                 return torch.stack([pos, token], dim=1)
             return torch.stack([token, pos], dim=1)
+
+
+class FlopCount(TorchDispatchMode):
+    """The matmul, convolution and attention FLOPs of the ops run inside (:attr:`total`), by torch's own formulas
+    (``FlopCounterMode``'s registry). ``FlopCounterMode`` itself also tracks modules, and its hooks keep
+    checkpointed tensors alive, which would change the peak being estimated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.registry = FlopCounterMode(display=False).flop_registry
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.registry.get(func.overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
 
 
 class FakeKernelGaps(TorchDispatchMode):

@@ -275,6 +275,16 @@ def _on_fake_tensors(module: nn.Module) -> bool:
     return any(isinstance(p, FakeTensor) for p in module.parameters())
 
 
+def _warm_nested_code() -> None:
+    """One real double-quantization, so that bitsandbytes builds its constant code map from real values
+    (it reads them with ``tolist``, which a fake tensor cannot answer) before the fake conversion uses it."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        _fabric_bnb._import_bitsandbytes().functional.quantize_4bit(torch.ones(256, dtype=torch.float16),
+                                                                    compress_statistics=True)
+
+
 def _pack_layers(module: nn.Module, mode: str, dtype: torch.dtype, ignore_modules: set[str], prefix: str = "") -> None:
     """Lightning's replacement rule (every ``nn.Linear`` whose name starts with no ignored prefix), with
     :class:`~lightning_memkit.plugins.packed_linear.PackedLinear` layers."""
@@ -391,6 +401,8 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         experts = [(n, m) for n, m in expert_modules(module) if not self._ignored(n)]
         for name, m in experts:
             check_experts(name, m)
+        if self.mode.endswith("-dq") and _on_fake_tensors(module):
+            _warm_nested_code()
         conversions = [prepare_experts(n, m, self.mode, self.dtype, self.lora_rank, self.lora_alpha,
                                        self.lora_dropout) for n, m in experts]
         for name, others in shared.items():
