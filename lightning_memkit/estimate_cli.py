@@ -119,7 +119,8 @@ def qlora_plugin(name: str | None, precision: str, lora_rank: int = DEFAULT_LORA
     if name not in PLUGINS:
         raise ConfigError(f"--plugin: {name!r} is not estimated; allowed: {', '.join(PLUGINS)} (quantized layers "
                           "are frozen: without LoRA adapters nothing would train)")
-    check_int(lora_rank, "lora_rank", minimum=1, owner="memkit estimate")
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1:
+        raise ConfigError(f"--lora-rank: must be an int >= 1, got {lora_rank!r}")
     from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
 
     dtype = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16}.get(
@@ -429,8 +430,8 @@ def _check(args: argparse.Namespace) -> None:
     elif args.config is None and args.lora_rank != DEFAULT_LORA_RANK:
         raise ConfigError("--lora-rank: only with --plugin")
     checkpoint_mode(args.activation_checkpointing)
-    _check_pipeline(args)
     _check_budget(args)
+    _check_pipeline(args)
 
 
 def _check_budget(args: argparse.Namespace) -> None:

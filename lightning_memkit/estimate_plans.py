@@ -227,7 +227,10 @@ class HFRun:
     def pipelines(self) -> Iterator[Plan]:
         """Pipeline plans with every single-device feature on (no quantization: not estimated with stages)."""
         if self.base.plugin is None:
-            for stages in (2, 4, 8):
+            from lightning_memkit.estimate_cli import _hf_config
+
+            layers = int(getattr(_hf_config(self.path), "num_hidden_layers", 0) or 0)
+            for stages in [s for s in (2, 4, 8) if s <= layers]:
                 yield Plan(_stronger_precisions(self.base.precision)[-1], None, "full", True, self.batch_size, stages)
 
     def fragment(self, plan: Plan) -> dict[str, Any]:
@@ -443,6 +446,7 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
         for plan in ordered[:-1]:
             search.try_plan(plan)
     elif strongest is not None:
+        search.skipped += len(ordered) - 1  # each is weaker than the strongest, which does not fit
         for plan in run.pipelines():
             if (found := search.try_plan(plan, strongest[1])) is not None and found[0].fits:
                 break

@@ -85,7 +85,7 @@ def test_pipeline_matches_the_strategy_planning_on_real_tensors(tmp_path: Path) 
     (["--hf-config", "x.json", "--plugin", "int8-lora", "--precision", "bf16-true"],
      "--plugin int8-lora with --precision bf16-true"),
     (["--hf-config", "x.json", "--lora-rank", "4"], "--lora-rank: only with --plugin"),
-    (["--hf-config", "x.json", "--plugin", "nf4-lora", "--lora-rank", "0"], "lora_rank"),
+    (["--hf-config", "x.json", "--plugin", "nf4-lora", "--lora-rank", "0"], "--lora-rank: must be an int >= 1"),
     (["--hf-config", "x.json", "--activation-checkpointing", "partial"], "--activation-checkpointing: 'partial'"),
     (["--hf-config", "x.json", "--budget", "0GiB"], "--budget: '0GiB' is not a positive size"),
     (["--hf-config", "x.json", "--budget", "lots"], "--budget"),

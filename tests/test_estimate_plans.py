@@ -1,0 +1,138 @@
+"""memkit estimate --budget: plans that fit, cheapest first, and a plan's YAML trains within the budget."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_memkit.cli import ConfigError, main
+from lightning_memkit.demo.hf_models import tiny_hf_config
+from lightning_memkit.estimate_cli import estimate_from_hf_config
+from lightning_memkit.estimate_plans import HFRun, Plan, parse_bytes, search_plans, step_cost
+from lightning_memkit.memory import LivePeak
+
+BASE_CONFIG = """\
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: 3
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  enable_progress_bar: false
+  enable_checkpointing: false
+  enable_model_summary: false
+  logger: false
+model:
+  class_path: lightning_memkit.demo.HFCausalLM
+  init_args: {family: llama, hidden_size: 64, num_layers: 2}
+data:
+  class_path: lightning_memkit.demo.ByteTextDataModule
+  init_args: {batch_size: 4, seq_len: 64, batch_format: hf}
+"""
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("1.5 MiB", int(1.5 * 2**20)), ("4096", 4096), (512, 512),
+    ("2tib", 2 * 2**40),
+])
+def test_parse_bytes(text: str | int, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "0", "3 parsecs", "inf", True])
+def test_parse_bytes_refuses(text: object) -> None:
+    with pytest.raises(ConfigError, match="--budget"):
+        parse_bytes(text)
+
+
+def test_plan_order_and_words() -> None:
+    base = Plan("32-true", None, None, False, 8)
+    strong = Plan("bf16-true", None, "full", True, 2)
+    assert base.at_most(strong) and not strong.at_most(base)
+    assert not Plan("32-true", None, "full", False, 8).at_most(Plan("bf16-true", None, None, True, 8))
+    assert strong.describe(base) == ("precision bf16-true, full activation checkpointing, fused loss, "
+                                     "micro-batch 2 x 4 accumulation")
+    assert base.describe(base) == "the run as given"
+
+
+@pytest.fixture(scope="module")
+def llama_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hf") / "config.json"
+    path.write_text(tiny_hf_config("llama", vocab_size=1000, hidden_size=64, num_layers=2).to_json_string())
+    return path
+
+
+@pytest.mark.slow
+def test_search_returns_fitting_plans_cheapest_first(llama_json: Path) -> None:
+    run = HFRun(llama_json, seq_len=64, batch_size=2)
+    base = run.estimate(run.base)
+    budget = int(base.peak_bytes * 0.6)
+    lines: list[str] = []
+    result = search_plans(run, budget, max_plans=10, progress=lines.append)
+    assert not result.base.fits and result.base.peak_bytes == base.peak_bytes
+    assert result.fitting and len(lines) == result.estimated
+    assert all(r.peak_bytes * 1.05 <= budget for r in result.fitting)
+    overheads = [r.overhead for r in result.fitting]
+    assert overheads == sorted(overheads)
+    best = result.fitting[0]
+    accumulate = best.plan.micro_batch < run.batch_size
+    again = estimate_from_hf_config(llama_json, seq_len=64, batch_size=best.plan.micro_batch,
+                                    precision=best.plan.precision, activation_checkpointing=best.plan.checkpoint or False,
+                                    fused_loss=best.plan.fused_loss, accumulate=accumulate)
+    assert best.peak_bytes == again.peak_bytes  # the plan's peak is the estimate of its options
+    steps = run.batch_size // best.plan.micro_batch
+    assert best.overhead == pytest.approx(steps * step_cost(again) / step_cost(base) - 1)
+    assert '"plans"' in result.to_json() and "plan 1:" in str(result)
+
+
+def test_full_recompute_costs_more_than_none(llama_json: Path) -> None:
+    plain = estimate_from_hf_config(llama_json, seq_len=64, batch_size=2)
+    full = estimate_from_hf_config(llama_json, seq_len=64, batch_size=2, activation_checkpointing=True)
+    selective = estimate_from_hf_config(llama_json, seq_len=64, batch_size=2, activation_checkpointing="selective")
+    assert full.step_flops > plain.step_flops == selective.step_flops  # selective keeps every matmul output
+    assert step_cost(full) > step_cost(selective) > step_cost(plain)
+
+
+def test_no_plan_fits_a_tiny_budget(llama_json: Path) -> None:
+    run = HFRun(llama_json, seq_len=64, batch_size=2)
+    result = search_plans(run, 1024)
+    assert result.fitting == [] and "no plan fits" in str(result)
+    assert result.estimated == 2 + 1 and result.skipped > 0  # as given, the strongest, then 2 stages (2 layers)
+
+
+def test_search_arguments_are_checked(llama_json: Path) -> None:
+    run = HFRun(llama_json, seq_len=16)
+    with pytest.raises(ValueError, match="margin"):
+        search_plans(run, 2**30, margin=1.0)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        search_plans(run, 0)
+
+
+def _fit_peak(*configs: Path) -> int:
+    """LivePeak over a whole ``memkit fit`` of ``configs`` (opened before anything is built)."""
+    args = [a for c in configs for a in ("--config", str(c))]
+    with LivePeak() as lp, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(["fit", *args])
+    return lp.peak_bytes
+
+
+def test_training_with_the_plan_stays_within_the_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text(BASE_CONFIG)
+    main(["estimate", "--config", str(base), "--json"])
+    predicted = json.loads(capsys.readouterr().out)["peak_bytes"]
+    budget = int(predicted * 0.6)
+    main(["estimate", "--config", str(base), "--budget", str(budget), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["base"]["peak_bytes"] == predicted and result["plans"]
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(result["plans"][0]["yaml"])
+    measured = _fit_peak(base, plan)
+    assert measured <= budget, (measured, budget, result["plans"][0]["yaml"])
+    assert abs(measured / result["plans"][0]["peak_bytes"] - 1) <= 0.05  # the whole run peaks at its steady step
+    assert _fit_peak(base) > budget  # the run as given does not fit
