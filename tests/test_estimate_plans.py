@@ -82,7 +82,8 @@ def test_search_returns_fitting_plans_cheapest_first(llama_json: Path) -> None:
     best = result.fitting[0]
     accumulate = best.plan.micro_batch < run.batch_size
     again = estimate_from_hf_config(llama_json, seq_len=64, batch_size=best.plan.micro_batch,
-                                    precision=best.plan.precision, activation_checkpointing=best.plan.checkpoint or False,
+                                    precision=best.plan.precision,
+                                    activation_checkpointing=best.plan.checkpoint or False,
                                     fused_loss=best.plan.fused_loss, accumulate=accumulate)
     assert best.peak_bytes == again.peak_bytes  # the plan's peak is the estimate of its options
     steps = run.batch_size // best.plan.micro_batch
