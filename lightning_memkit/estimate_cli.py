@@ -37,6 +37,7 @@ from lightning_memkit.memory.estimate import (
     CHECKPOINT_MODES,
     OPTIMIZERS,
     PRECISIONS,
+    TARGETS,
     MemoryEstimate,
     estimate_training_memory,
 )
@@ -73,7 +74,8 @@ def _hf_config(path: Path) -> Any:
 def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: int = 1, precision: str = "32-true",
                             optimizer: str = "adamw", activation_checkpointing: bool | str = False,
                             fused_loss: bool = False, plugin: str | None = None,
-                            lora_rank: int = DEFAULT_LORA_RANK, accumulate: bool = False) -> MemoryEstimate:
+                            lora_rank: int = DEFAULT_LORA_RANK, accumulate: bool = False,
+                            device: str = "cuda") -> MemoryEstimate:
     """Estimate one training step of the causal LM described by the HF ``config.json`` at ``path``.
 
     The batch is ``input_ids`` and ``labels`` of ``(batch_size, seq_len)``; the loss is the model's own
@@ -84,7 +86,8 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
     :class:`~lightning_memkit.plugins.NoSaveBitsandbytesPrecision` in ``precision``'s dtype with LoRA adapters
     of ``lora_rank``. A ``quantization_config`` in the file is ignored: the weights are dense in the training
     dtype unless ``plugin`` quantizes them. ``accumulate``: the batch is one micro-batch of several
-    (``accumulate_grad_batches > 1``): the gradients stay alive through the step.
+    (``accumulate_grad_batches > 1``): the gradients stay alive through the step. ``device``: ``"cuda"`` adds
+    the CUDA-only terms (``estimate_training_memory``'s ``target``), ``"cpu"`` counts the step as it runs here.
     """
     model, batch = _hf_factories(Path(path), seq_len, batch_size)
     mode = checkpoint_mode(activation_checkpointing)
@@ -92,7 +95,7 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
     return estimate_training_memory(model, batch, optimizer=optimizer, precision="32-true" if qlora else precision,
                                     checkpoint="auto" if mode else None, checkpoint_mode=mode or "full",
                                     patches=_hf_patches(bool(mode), fused_loss), plugin=qlora,
-                                    zero_grad="accumulate" if accumulate else "after_forward")
+                                    zero_grad="accumulate" if accumulate else "after_forward", target=device)
 
 
 def checkpoint_mode(activation_checkpointing: bool | str | None) -> str | None:
@@ -345,7 +348,8 @@ def estimate_parsed_config(parsed: dict[str, Any]) -> MemoryEstimate:
                                     optimizer=_configured_optimizer, precision=features["precision"],
                                     checkpoint=features["policy"] if mode else None, checkpoint_mode=mode or "full",
                                     patches=patches, plugin=features["plugin"],
-                                    zero_grad="accumulate" if features["accumulate"] else "after_forward")
+                                    zero_grad="accumulate" if features["accumulate"] else "after_forward",
+                                    target="cpu" if trainer.get("accelerator") == "cpu" else "cuda")
 
 
 def _instantiate(entry: dict[str, Any]) -> Any:
@@ -367,7 +371,7 @@ def _configured_optimizer(model: Any) -> torch.optim.Optimizer:
 # -- command line ------------------------------------------------------------------------------------------
 _HF_DEFAULTS = {"seq_len": 2048, "batch_size": 1, "precision": "32-true", "optimizer": "adamw",
                 "activation_checkpointing": False, "fused_loss": False, "plugin": None,
-                "lora_rank": DEFAULT_LORA_RANK}
+                "lora_rank": DEFAULT_LORA_RANK, "device": "cuda"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -391,6 +395,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plugin", default=None, help=f"quantized model with LoRA adapters (QLoRA, "
                    f"NoSaveBitsandbytesPrecision in --precision's dtype): one of {', '.join(PLUGINS)}")
     p.add_argument("--lora-rank", type=int, default=None, help=f"LoRA rank with --plugin (default {DEFAULT_LORA_RANK})")
+    p.add_argument("--device", default=None, help="where the step will run: cuda (default: adds what CUDA "
+                   "kernels allocate beyond the CPU path, e.g. AdamW's foreach temporaries) or cpu")
     p.add_argument("--budget", default=None, help="device memory available, e.g. 24GiB or 80GB: search the "
                    "feature plans that fit and print the cheapest as LightningCLI YAML fragments")
     p.add_argument("--margin", type=float, default=None,
@@ -420,6 +426,8 @@ def _check(args: argparse.Namespace) -> None:
             setattr(args, key, default)
     if args.precision not in PRECISIONS:
         raise ConfigError(f"--precision: {args.precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
+    if args.device not in TARGETS:
+        raise ConfigError(f"--device: {args.device!r} is not supported; allowed: {', '.join(TARGETS)}")
     if args.optimizer not in OPTIMIZERS:
         raise ConfigError(f"--optimizer: {args.optimizer!r} is not supported; allowed: {', '.join(OPTIMIZERS)}")
     for key in ("seq_len", "batch_size"):
@@ -490,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
         return _search(args, overrides)
     if args.hf_config is not None:
         run = (dict(stages=args.pipeline, microbatches=args.microbatches) if args.pipeline else
-               dict(plugin=args.plugin, lora_rank=args.lora_rank))
+               dict(plugin=args.plugin, lora_rank=args.lora_rank, device=args.device))
         fn = estimate_hf_pipeline if args.pipeline else estimate_from_hf_config
         est = fn(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
                  optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
@@ -516,7 +524,7 @@ def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     if args.hf_config is not None:
         run = HFRun(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
                     optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
-                    fused_loss=args.fused_loss, plugin=args.plugin, lora_rank=args.lora_rank)
+                    fused_loss=args.fused_loss, plugin=args.plugin, lora_rank=args.lora_rank, device=args.device)
     else:
         run = ConfigRun(args.config, list(overrides))
     result = search_plans(run, args.budget, margin=args.margin, max_plans=args.max_plans,

@@ -197,10 +197,11 @@ class HFRun:
 
     def __init__(self, path: str | Path, seq_len: int = 2048, batch_size: int = 1, precision: str = "32-true",
                  optimizer: str = "adamw", activation_checkpointing: bool | str = False, fused_loss: bool = False,
-                 plugin: str | None = None, lora_rank: int = 16):
+                 plugin: str | None = None, lora_rank: int = 16, device: str = "cuda"):
         from lightning_memkit.estimate_cli import checkpoint_mode
 
         self.path, self.seq_len, self.optimizer, self.lora_rank = Path(path), seq_len, optimizer, lora_rank
+        self.device = device
         self.batch_size = batch_size
         self.base = Plan(precision, plugin, checkpoint_mode(activation_checkpointing), bool(fused_loss), batch_size)
 
@@ -222,7 +223,7 @@ class HFRun:
                                         batch_size=self.batch_size, **kwargs)
         return estimate_from_hf_config(self.path, batch_size=plan.micro_batch, plugin=plan.plugin,
                                        lora_rank=self.lora_rank, accumulate=plan.micro_batch < self.batch_size,
-                                       **kwargs)
+                                       device=self.device, **kwargs)
 
     def pipelines(self) -> Iterator[Plan]:
         """Pipeline plans with every single-device feature on (no quantization: not estimated with stages)."""

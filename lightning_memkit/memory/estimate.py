@@ -77,6 +77,7 @@ PRECISIONS = ("32-true", "32", "bf16-true", "16-true", "bf16-mixed")
 STEP_PHASES = ("forward", "backward", "optimizer step")
 ZERO_GRAD = ("after_forward", "before_forward", "accumulate")
 CHECKPOINT_MODES = ("full", "selective")
+TARGETS = ("cpu", "cuda")
 _COLUMNS = ("peak", "weights", "grads", "optim state", "saved", "loss/logits", "transient")  # short: 120 columns
 _OWNER = "estimate_training_memory"
 
@@ -377,9 +378,27 @@ def build_model(model_factory: Callable[[], nn.Module], precision: str, plugin: 
     return model.train()
 
 
-def _assumptions(experts: bool) -> list[str]:
-    notes = ["CPU-side counting: unique tensor storages as LivePeak counts them (CUDA allocator rounding, "
-             "cuBLAS/attention kernel workspaces and the CUDA context are not included)"]
+def _add_foreach_step(phase: PhaseEstimate, optim: torch.optim.Optimizer) -> None:
+    """On CUDA ``optimizer.step()`` runs its ``foreach`` implementation: its temporaries replace the CPU path's."""
+    from lightning_memkit.pipeline.cost import optimizer_step_bytes
+
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    if not params or type(optim).__name__.lower() not in ("adam", "adamw", "sgd"):
+        return
+    group = optim.param_groups[0]
+    hp = {k: group[k] for k in ("weight_decay", "maximize", "nesterov") if k in group}
+    delta = (optimizer_step_bytes(params, type(optim), foreach=True, **hp)
+             - optimizer_step_bytes(params, type(optim), foreach=False, **hp))
+    phase.peak_bytes += delta
+    phase.transient += delta
+
+
+def _assumptions(experts: bool, target: str = "cpu") -> list[str]:
+    notes = ["unique tensor storages as LivePeak counts them (not included: CUDA allocator rounding, cuBLAS and "
+             "attention kernel workspaces, the CUDA context)"]
+    if target == "cuda":
+        notes.append("CUDA: optimizer.step() runs its foreach implementation (temporaries from "
+                     "optimizer_step_bytes); every other op's outputs as the CPU kernels shape them")
     if experts:
         notes.append("MoE routing: uniform expert balance, each expert gets tokens * top_k / num_experts tokens")
     return notes
@@ -399,6 +418,7 @@ def estimate_training_memory(
     zero_grad: str = "after_forward",
     plugin: Any = None,
     checkpoint_mode: str = "full",
+    target: str = "cpu",
 ) -> MemoryEstimate:
     """Predict the per-phase device peak of a steady-state training step; see the module doc.
 
@@ -425,6 +445,11 @@ def estimate_training_memory(
             ``convert_input`` wrap the forward, as in a ``Trainer``; ``precision`` must then stay ``"32-true"``.
         checkpoint_mode: ``"full"`` (recompute whole blocks) or ``"selective"`` (keep matmul/attention outputs),
             as :func:`~lightning_memkit.memory.checkpoint_modules`.
+        target: the device the step will run on. ``"cpu"``: the step as it runs here (``LivePeak``'s count).
+            ``"cuda"``: plus what CUDA kernels allocate that the CPU path does not, from documented formulas:
+            ``optimizer.step()``'s ``foreach`` temporaries (torch's default on CUDA; AdamW: one buffer the size
+            of all trainable parameters, :func:`~lightning_memkit.pipeline.cost.optimizer_step_bytes`) in place
+            of the per-parameter ones.
 
     Raises:
         TypeError / ValueError: a bad argument, named, before anything is built.
@@ -432,6 +457,7 @@ def estimate_training_memory(
     _check_args(model_factory, batch_factory, loss_fn, precision, checkpoint, patches, expert_balance)
     check_choice(zero_grad, "zero_grad", ZERO_GRAD, owner=_OWNER)
     check_choice(checkpoint_mode, "checkpoint_mode", CHECKPOINT_MODES, owner=_OWNER)
+    check_choice(target, "target", TARGETS, owner=_OWNER)
     _check_plugin(plugin, precision)
     make_optimizer, opt_name = resolve_optimizer(optimizer, optimizer_kwargs)
     start = time.perf_counter()
@@ -452,12 +478,14 @@ def estimate_training_memory(
         with FlopCount() as flops:
             _step(run, record=True)
         phases = [PhaseEstimate.from_peak(name, tracker.phase_peaks[name]) for name in ("load", *STEP_PHASES)]
+        if target == "cuda":
+            _add_foreach_step(phases[-1], optim)
         counts = (sum(p.numel() for p in model.parameters()),
                   sum(p.numel() for g in optim.param_groups for p in g["params"]))
         del run, model, optim
     return MemoryEstimate(phases=phases, peak_bytes=max(p.peak_bytes for p in phases[1:]), parameters=counts[0],
                           trainable_parameters=counts[1], optimizer=opt_name,
                           precision=precision if plugin is None else type(plugin).__name__,
-                          features=features, assumptions=_assumptions(any("MoE" in f for f in features)),
+                          features=features, assumptions=_assumptions(any("MoE" in f for f in features), target),
                           seconds=time.perf_counter() - start, step_flops=flops.total,
                           step_bytes=tracker.allocated)

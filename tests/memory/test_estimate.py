@@ -135,3 +135,38 @@ def test_within_tolerance_of_a_real_trainer_step(case) -> None:
 def test_every_case_within_tolerance(case) -> None:
     r = compare(case)
     assert abs(r["error"]) <= TOLERANCE, r
+
+
+def test_cuda_target_swaps_in_the_foreach_step_temporaries() -> None:
+    from lightning_memkit.pipeline.cost import optimizer_step_bytes
+
+    cpu = estimate_training_memory(_mlp, _batch, loss_fn=_loss)
+    cuda = estimate_training_memory(_mlp, _batch, loss_fn=_loss, target="cuda")
+    params = list(_mlp().parameters())
+    delta = optimizer_step_bytes(params, "adamw", foreach=True) - optimizer_step_bytes(params, "adamw", foreach=False)
+    assert delta == PARAM_BYTES - 2 * 4 * 256 * 512  # all parameters at once, against twice the largest one
+    assert cuda.phases[-1].peak_bytes == cpu.phases[-1].peak_bytes + delta
+    assert [p.peak_bytes for p in cuda.phases[:-1]] == [p.peak_bytes for p in cpu.phases[:-1]]
+    assert any("foreach" in a for a in cuda.assumptions)
+    with pytest.raises(ValueError, match="target"):
+        estimate_training_memory(_mlp, _batch, loss_fn=_loss, target="tpu")
+
+
+def test_plugin_must_be_a_precision_plugin_and_owns_the_precision() -> None:
+    with pytest.raises(TypeError, match="convert_module"):
+        estimate_training_memory(_mlp, _batch, loss_fn=_loss, plugin=object())
+
+    class Plugin:
+        def convert_module(self, m):
+            return m
+
+        def forward_context(self):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    with pytest.raises(ValueError, match="precision"):
+        estimate_training_memory(_mlp, _batch, loss_fn=_loss, plugin=Plugin(), precision="bf16-true")
+    est = estimate_training_memory(_mlp, _batch, loss_fn=_loss, plugin=Plugin())
+    plain = estimate_training_memory(_mlp, _batch, loss_fn=_loss)
+    assert est.precision == "Plugin" and est.peak_bytes == plain.peak_bytes
