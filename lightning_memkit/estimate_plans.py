@@ -371,6 +371,15 @@ def _pipeline_factor(plan: Plan, microbatches: int) -> float:
     return (1 + (plan.stages - 1) / microbatches) / plan.stages
 
 
+def _search_order(plan: Plan, base: Plan) -> tuple[float, int]:
+    """Least added work first (recomputation, accumulation steps, quantization work); then the choices that
+    lower memory without adding work (precision, fused loss) strongest first, so that one that does not fit
+    rules out the weaker ones and one that fits rules out the costlier ones."""
+    s = plan.strength()
+    steps = math.log2(max(base.micro_batch, 1) / max(plan.micro_batch, 1))
+    return s[1] + s[2] + steps, -(s[0] + s[3])
+
+
 def _costlier(plan: Plan, cheaper: Plan) -> bool:
     """Whether ``plan`` only adds recomputation, accumulation steps or quantization work to ``cheaper`` (same
     precision and loss): it then costs at least as much in the time model, so a fitting ``cheaper`` rules it out."""
@@ -420,8 +429,8 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
     """Estimate the candidate plans of ``run`` and return those that fit ``budget_bytes``, cheapest first.
 
     The run as given and the strongest plan come first (if that one does not fit, no single-device plan does);
-    then the rest from the weakest up, skipping a plan weaker than one that does not fit, or one that only adds
-    cost to one that fits.
+    then the rest, least added work first, skipping a plan weaker than one that does not fit, or one that only
+    adds work to one that fits.
 
     Args:
         run: :class:`HFRun` or :class:`ConfigRun`; its ``base`` plan is the run as given.
@@ -441,11 +450,12 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
     search = _Search(run, lambda peak: peak * (1 + margin) <= budget_bytes, progress or (lambda _line: None),
                      max_estimates)
     base, _ = search.try_plan(run.base)
-    ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: sum(p.strength()))
-    strongest = search.try_plan(ordered[-1]) if ordered else None
+    ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: _search_order(p, run.base))
+    strongest = search.try_plan(max(ordered, key=lambda p: _search_order(p, run.base)[::-1])) if ordered else None
     if strongest is not None and strongest[0].fits:
-        for plan in ordered[:-1]:
-            search.try_plan(plan)
+        for plan in ordered:
+            if plan != strongest[0].plan:
+                search.try_plan(plan)
     elif strongest is not None:
         search.skipped += len(ordered) - 1  # each is weaker than the strongest, which does not fit
         for plan in run.pipelines():
