@@ -264,31 +264,43 @@ def _class_name(entry: Any) -> str:
 
 
 def _config_features(trainer: dict[str, Any]) -> dict[str, Any]:
-    """Checkpointing, fused loss, precision and QLoRA plugin from the trainer section of a parsed config."""
+    """Checkpointing, fused loss, precision, QLoRA plugin and accumulation from a parsed config's trainer."""
     from lightning_memkit.cli import ConfigError
 
-    callbacks = trainer.get("callbacks") or []
-    plugins = trainer.get("plugins") or []
-    plugins = [plugins] if isinstance(plugins, (dict, str)) else list(plugins)
-    others = [_class_name(p) for p in plugins if _class_name(p) != "NoSaveBitsandbytesPrecision"]
-    if others or _class_name(trainer.get("strategy")) == "MemkitPipelineStrategy" \
-            or trainer.get("strategy") == "memkit_pipeline":
-        raise ConfigError(f"trainer: memkit estimate does not estimate {', '.join(others) or 'the pipeline strategy'} "
-                          "from a config; remove it to estimate the plain step (use --hf-config with --pipeline N "
-                          "for pipeline stages)")
+    plugin = _config_plugin(trainer)
     precision = str(trainer.get("precision") or "32-true")
     if precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision: {precision!r} is not estimated; allowed: {', '.join(PRECISIONS)}")
-    if plugins and trainer.get("precision") not in (None, "32-true", "32"):
+    if plugin is not None and trainer.get("precision") not in (None, "32-true", "32"):
         raise ConfigError("trainer.precision and trainer.plugins: a precision plugin sets the precision itself "
                           f"(Trainer refuses both); remove precision={precision!r}")
+    callbacks = trainer.get("callbacks") or []
+    return {**_config_checkpoint(callbacks), "precision": precision, "plugin": plugin,
+            "fused": any(_class_name(c) == "FusedLinearCrossEntropy" for c in callbacks),
+            "accumulate": int(trainer.get("accumulate_grad_batches") or 1) > 1}
+
+
+def _config_plugin(trainer: dict[str, Any]) -> Any:
+    """The config's ``NoSaveBitsandbytesPrecision`` (built), or None; anything else estimate cannot run refused."""
+    from lightning_memkit.cli import ConfigError
+
+    plugins = trainer.get("plugins") or []
+    plugins = [plugins] if isinstance(plugins, (dict, str)) else list(plugins)
+    others = [_class_name(p) for p in plugins if _class_name(p) != "NoSaveBitsandbytesPrecision"]
+    strategy = trainer.get("strategy")
+    if others or _class_name(strategy) == "MemkitPipelineStrategy" or strategy == "memkit_pipeline":
+        raise ConfigError(f"trainer: memkit estimate does not estimate {', '.join(others) or 'the pipeline strategy'} "
+                          "from a config; remove it to estimate the plain step (use --hf-config with --pipeline N "
+                          "for pipeline stages)")
+    return _instantiate(plugins[0]) if plugins else None
+
+
+def _config_checkpoint(callbacks: list[Any]) -> dict[str, Any]:
+    """``{"checkpoint": None | "full" | "selective", "policy": ...}`` from an ``ActivationCheckpointing`` entry."""
     ac = next((c for c in callbacks if _class_name(c) == "ActivationCheckpointing"), None)
     args = (ac.get("init_args") or {}) if isinstance(ac, dict) else {}
-    return {"checkpoint": None if ac is None else ("selective" if args.get("selective") else "full"),
-            "policy": args.get("policy") or "auto",
-            "fused": any(_class_name(c) == "FusedLinearCrossEntropy" for c in callbacks),
-            "precision": precision, "plugin": _instantiate(plugins[0]) if plugins else None,
-            "accumulate": int(trainer.get("accumulate_grad_batches") or 1) > 1}
+    mode = None if ac is None else ("selective" if args.get("selective") else "full")
+    return {"checkpoint": mode, "policy": args.get("policy") or "auto"}
 
 
 class _Batches:

@@ -300,8 +300,10 @@ class ConfigRun:
         """The parsed config with ``plan`` applied."""
         parsed = copy.deepcopy(self.parsed)
         trainer = parsed.setdefault("trainer", {})
+        from lightning_memkit.estimate_cli import _class_name
+
         own = ("ActivationCheckpointing", "FusedLinearCrossEntropy")
-        kept = [c for c in trainer.get("callbacks") or [] if _class_tail(c) not in own]
+        kept = [c for c in trainer.get("callbacks") or [] if _class_name(c) not in own]
         trainer["callbacks"] = kept + _feature_callbacks(plan, fused_callback=True)
         if plan.plugin is not None:
             entry = copy.deepcopy(self.plugin_entry)
@@ -332,11 +334,6 @@ class ConfigRun:
 
     def notes(self, plan: Plan) -> list[str]:
         return [f"memkit fit --config {self.config} --config this.yaml"]
-
-
-def _class_tail(entry: Any) -> str:
-    path = entry.get("class_path", "") if isinstance(entry, dict) else str(entry or "")
-    return path.rpartition(".")[2]
 
 
 def _has_hf_model(model_entry: dict[str, Any]) -> bool:
