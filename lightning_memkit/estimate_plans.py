@@ -199,7 +199,10 @@ class HFRun:
                  optimizer: str = "adamw", activation_checkpointing: bool | str = False, fused_loss: bool = False,
                  plugin: str | None = None, lora_rank: int = 16, device: str = "cuda"):
         from lightning_memkit.estimate_cli import checkpoint_mode
+        from lightning_memkit.validation import check_int
 
+        check_int(seq_len, "seq_len", minimum=1, owner="HFRun")
+        check_int(batch_size, "batch_size", minimum=1, owner="HFRun")
         self.path, self.seq_len, self.optimizer, self.lora_rank = Path(path), seq_len, optimizer, lora_rank
         self.device = device
         self.batch_size = batch_size
@@ -377,6 +380,14 @@ def _search_order(plan: Plan, base: Plan) -> tuple[float, int]:
     return s[1] + s[2] + steps, -(s[0] + s[3])
 
 
+def _strongest(plans: list[Plan]) -> Plan:
+    """The plan every other one is at most (each axis at its strongest); the candidates are a full product."""
+    best = max(plans, key=lambda p: p.strength())
+    if not all(p.at_most(best) for p in plans):
+        raise AssertionError(f"no strongest plan among {len(plans)} candidates")  # axes() yields a product
+    return best
+
+
 def _costlier(plan: Plan, cheaper: Plan) -> bool:
     """Whether ``plan`` only adds recomputation, accumulation steps or quantization work to ``cheaper`` (same
     precision and loss): it then costs at least as much in the time model, so a fitting ``cheaper`` rules it out."""
@@ -446,15 +457,16 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
         raise ValueError(f"search_plans(margin=...) must be in [0, 1), got {margin!r}")
     search = _Search(run, lambda peak: peak * (1 + margin) <= budget_bytes, progress or (lambda _line: None),
                      max_estimates)
-    base, _ = search.try_plan(run.base)
+    base, base_cost = search.try_plan(run.base)
     ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: _search_order(p, run.base))
-    strongest = search.try_plan(max(ordered, key=lambda p: _search_order(p, run.base)[::-1])) if ordered else None
-    if strongest is not None and strongest[0].fits:
+    top = _strongest([run.base, *ordered])
+    strongest = (base, base_cost) if top == run.base else search.try_plan(top)
+    if strongest[0].fits:
         for plan in ordered:
-            if plan != strongest[0].plan:
+            if plan != top:
                 search.try_plan(plan)
-    elif strongest is not None:
-        search.skipped += len(ordered) - 1  # each is weaker than the strongest, which does not fit
+    else:
+        search.skipped += len(ordered) - (top != run.base)  # each is weaker than the strongest, which does not fit
         for plan in run.pipelines():
             if (found := search.try_plan(plan, strongest[1])) is not None and found[0].fits:
                 break

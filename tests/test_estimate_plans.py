@@ -60,6 +60,19 @@ def test_plan_order_and_words() -> None:
     assert base.describe(base) == "the run as given"
 
 
+def test_the_strongest_plan_is_tried_first(tmp_path: Path) -> None:
+    from lightning_memkit.estimate_plans import _strongest
+
+    path = tmp_path / "config.json"
+    path.write_text(tiny_hf_config("llama").to_json_string())
+    run = HFRun(path, seq_len=16, batch_size=4, precision="bf16-true", plugin="nf4-lora")
+    plans = list(run.axes())
+    assert len(plans) == 2 * 3 * 2 * 3 and len(set(plans)) == len(plans)  # quantization x recompute x loss x batch
+    assert _strongest(plans) == Plan("bf16-true", "nf4-dq-lora", "full", True, 1)
+    with pytest.raises(AssertionError):
+        _strongest([Plan("32-true", None, "full", False, 1), Plan("32-true", None, None, True, 1)])
+
+
 @pytest.fixture(scope="module")
 def llama_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("hf") / "config.json"
