@@ -10,7 +10,10 @@ activations all counted. Goal: within 5% on every case.
 
 Case 2: how long the estimate of the GPT-OSS-20B-shaped config in ``examples/hf_configs/`` takes.
 
-    python -m benchmarks.run --only estimate [--quick]
+On CUDA (``--device cuda``): a ~1.1B-parameter Llama (TinyLlama's dimensions) in bf16, predicted with
+``target="cuda"`` against ``torch.cuda.max_memory_allocated`` over the second of two real steps.
+
+    python -m benchmarks.run --only estimate [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -264,7 +267,86 @@ def _timing() -> dict[str, Any]:
                   goal="under 60 s on 2 CPU cores", met=seconds < 60)
 
 
+# -- CUDA: a medium model against max_memory_allocated ----------------------------------------------------------
+CUDA_CASES = ((), ("checkpoint", "fused"))  # on a ~1.1B-parameter Llama, bf16-true, AdamW, 2 x 2048 tokens
+
+
+def _medium_llama() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                      num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                                      max_position_embeddings=4096, use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _medium_batch(device: str) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 32000, (2, 2048), device=device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _medium_patches(features: tuple[str, ...]) -> list[Any]:
+    from lightning_memkit.hf import fused_linear_cross_entropy
+
+    return [fused_linear_cross_entropy] if "fused" in features else []
+
+
+def measure_cuda(features: tuple[str, ...]) -> int:
+    """``max_memory_allocated`` over the second of two steps of a plain loop in Lightning's order (forward,
+    ``zero_grad(set_to_none=True)``, backward, AdamW ``step``), everything on the GPU from an empty process."""
+    from lightning_memkit.memory import checkpoint_modules, repeated_blocks
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    assert torch.cuda.memory_allocated() == 0, "the measurement needs an empty device"
+    with torch.device("cuda"):
+        model = _medium_llama().to(torch.bfloat16).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    with contextlib.ExitStack() as stack:
+        for patch in _medium_patches(features):
+            stack.enter_context(patch(model))
+        if "checkpoint" in features:
+            stack.enter_context(checkpoint_modules(repeated_blocks(model)))
+        for step in range(2):
+            batch = _medium_batch("cuda")
+            if step == 1:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            loss = model(**batch).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            del loss
+            opt.step()
+            del batch
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return peak
+
+
+def predict_cuda(features: tuple[str, ...]) -> int:
+    est = estimate_training_memory(lambda: _medium_llama(), lambda: _medium_batch("cpu"), precision="bf16-true",
+                                   checkpoint="auto" if "checkpoint" in features else None,
+                                   patches=_medium_patches(features), target="cuda")
+    return est.peak_bytes
+
+
+def _run_cuda() -> list[dict]:
+    rows = []
+    for features in CUDA_CASES:
+        predicted, measured = predict_cuda(features), measure_cuda(features)
+        rows.append({"impl": " + ".join(features) or "plain", "predicted B": predicted, "measured B": measured,
+                     "error %": round(100 * (predicted / measured - 1), 2)})
+    worst = max(abs(r["error %"]) for r in rows)
+    return [record("estimate", "predicted vs max_memory_allocated, ~1.1B-parameter Llama, bf16-true, AdamW, "
+                   "2 x 2048 tokens (second step)", "max_memory_allocated", rows,
+                   goal=f"every case within {100 * TOLERANCE:.0f}%", met=worst <= 100 * TOLERANCE)]
+
+
 def run(device: str = "cpu", quick: bool = False) -> list[dict]:
+    if device.startswith("cuda"):
+        return _run_cuda()
     torch.set_num_threads(1)
     rows = []
     for case in FAST_CASES if quick else CASES:
