@@ -27,6 +27,7 @@ trainer:
   enable_checkpointing: false
   enable_model_summary: false
   logger: false
+  default_root_dir: ROOT
 model:
   class_path: lightning_memkit.demo.HFCausalLM
   init_args: {family: llama, hidden_size: 64, num_layers: 2}
@@ -135,9 +136,11 @@ def _fit_peak(*configs: Path) -> int:
     return lp.peak_bytes
 
 
-def test_training_with_the_plan_stays_within_the_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_training_with_the_plan_stays_within_the_budget(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     base = tmp_path / "base.yaml"
-    base.write_text(BASE_CONFIG)
+    base.write_text(BASE_CONFIG.replace("ROOT", str(tmp_path / "runs")))  # memkit fit saves its config there
     main(["estimate", "--config", str(base), "--json"])
     predicted = json.loads(capsys.readouterr().out)["peak_bytes"]
     budget = int(predicted * 0.6)
