@@ -153,3 +153,32 @@ def test_training_with_the_plan_stays_within_the_budget(tmp_path: Path, capsys: 
     assert measured <= budget, (measured, budget, result["plans"][0]["yaml"])
     assert abs(measured / result["plans"][0]["peak_bytes"] - 1) <= 0.05  # the whole run peaks at its steady step
     assert _fit_peak(base) > budget  # the run as given does not fit
+
+
+@pytest.mark.parametrize("plan", [
+    Plan("bf16-true", None, "selective", True, 2),
+    Plan("32-true", "nf4-dq-lora", "full", False, 4),
+    Plan("bf16-true", None, "full", True, 4, stages=2),
+], ids=["single", "qlora", "pipeline"])
+def test_hf_fragments_parse_as_lightningcli_configs(plan: Plan, llama_json: Path, tmp_path: Path) -> None:
+    """Every key of a plan's YAML is one LightningCLI accepts (class paths, init args, trainer options)."""
+    import yaml
+
+    from lightning_memkit.compare import parse_config
+
+    run = HFRun(llama_json, seq_len=64, batch_size=4)
+    base, fragment = tmp_path / "base.yaml", tmp_path / "plan.yaml"
+    base.write_text(BASE_CONFIG.replace("ROOT", str(tmp_path)))
+    fragment.write_text(yaml.safe_dump(run.fragment(plan)))
+    parsed = parse_config(base, ["--config", str(fragment)])
+    trainer = parsed["trainer"]
+    names = [c["class_path"].rpartition(".")[2] for c in trainer.get("callbacks") or []]
+    assert ("ActivationCheckpointing" in names) == (plan.checkpoint is not None)
+    assert ("FusedLinearCrossEntropy" in names) == (plan.fused_loss and plan.stages == 1)
+    if plan.stages > 1:
+        assert trainer["strategy"]["init_args"]["fused_loss"] is True and trainer["devices"] == 2
+    if plan.plugin is not None:
+        assert trainer["plugins"][0]["init_args"]["mode"] == "nf4-dq"
+    else:
+        assert trainer["precision"] == plan.precision
+    assert trainer["accumulate_grad_batches"] == 4 // plan.micro_batch
