@@ -415,6 +415,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --budget: a plan fits when its peak plus this fraction is within the budget "
                    "(default 0.05, the estimate's accuracy goal)")
     p.add_argument("--max-plans", type=int, default=None, help="with --budget: plans to print (default 3)")
+    p.add_argument("--max-estimates", type=int, default=None,
+                   help="with --budget: stop after this many estimates (default 48; each takes one estimate's time)")
     p.add_argument("--pipeline", type=int, default=None,
                    help="ranks of a memkit_pipeline (1F1B): per-rank peaks of the split it would choose")
     p.add_argument("--microbatches", type=int, default=None,
@@ -459,7 +461,7 @@ def _check_budget(args: argparse.Namespace) -> None:
     from lightning_memkit.estimate_plans import parse_bytes
 
     if args.budget is None:
-        for key in ("margin", "max_plans"):
+        for key in ("margin", "max_plans", "max_estimates"):
             if getattr(args, key) is not None:
                 raise ConfigError(f"--{key.replace('_', '-')}: only with --budget")
         return
@@ -473,6 +475,10 @@ def _check_budget(args: argparse.Namespace) -> None:
     args.max_plans = 3 if args.max_plans is None else args.max_plans
     if args.max_plans < 1:
         raise ConfigError(f"--max-plans: must be >= 1, got {args.max_plans}")
+    args.max_estimates = 48 if args.max_estimates is None else args.max_estimates
+    if args.max_estimates < 2:
+        raise ConfigError(f"--max-estimates: must be >= 2 (the run as given and the strongest plan), "
+                          f"got {args.max_estimates}")
 
 
 def _check_pipeline(args: argparse.Namespace) -> None:
@@ -540,6 +546,7 @@ def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     else:
         run = ConfigRun(args.config, list(overrides))
     result = search_plans(run, args.budget, margin=args.margin, max_plans=args.max_plans,
+                          max_estimates=args.max_estimates,
                           progress=lambda line: print(f"memkit estimate: {line}", file=sys.stderr, flush=True))
     print(result.to_json() if args.json else result)
     return result

@@ -149,6 +149,7 @@ class SearchResult:
     fitting: list[PlanResult]
     estimated: int
     skipped: int
+    capped: int = 0
 
     def to_json(self) -> str:
         import json
@@ -159,13 +160,14 @@ class SearchResult:
 
         return json.dumps({"budget_bytes": self.budget_bytes, "margin": self.margin, "base": row(self.base),
                            "plans": [row(r) for r in self.fitting], "estimated": self.estimated,
-                           "skipped": self.skipped}, indent=2)
+                           "skipped": self.skipped, "not_estimated_max_estimates": self.capped}, indent=2)
 
     def __str__(self) -> str:
         lines = [f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B), {self.margin:.0%} margin; "
                  f"the run as given peaks at {format_bytes(self.base.peak_bytes)} "
                  f"({'fits' if self.base.fits else 'does not fit'})",
-                 f"{self.estimated} plans estimated, {self.skipped} ruled out without an estimate"]
+                 f"{self.estimated} plans estimated, {self.skipped} ruled out without an estimate"
+                 + (f", {self.capped} left out by the estimate limit (raise --max-estimates)" if self.capped else "")]
         if not self.fitting:
             lines.append("no plan fits: a larger budget, a shorter sequence or more pipeline stages is needed")
         for i, r in enumerate(self.fitting, 1):
@@ -407,6 +409,7 @@ class _Search:
     failed: list[Plan] = field(default_factory=list)
     estimated: int = 0
     skipped: int = 0
+    capped: int = 0  # plans left out by max_estimates
     base_cost: float = 0.0
 
     def try_plan(self, plan: Plan, single_cost: float | None = None) -> tuple[PlanResult, float] | None:
@@ -415,6 +418,7 @@ class _Search:
             self.skipped += 1
             return None
         if self.estimated >= self.max_estimates:
+            self.capped += 1
             return None
         self.say(f"estimate {self.estimated + 1}: {plan.describe(self.run.base)}")
         est = self.run.estimate(plan)
@@ -471,4 +475,5 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
             if (found := search.try_plan(plan, strongest[1])) is not None and found[0].fits:
                 break
     fitting = sorted(search.fitting, key=lambda r: (r.plan.stages, r.overhead, -sum(r.plan.strength())))
-    return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped)
+    return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped,
+                        search.capped)

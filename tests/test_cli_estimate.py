@@ -94,6 +94,8 @@ def test_pipeline_matches_the_strategy_planning_on_real_tensors(tmp_path: Path) 
     (["--hf-config", "x.json", "--budget", "1GiB", "--margin", "1.5"], "--margin: must be in"),
     (["--hf-config", "x.json", "--budget", "1GiB", "--max-plans", "0"], "--max-plans"),
     (["--hf-config", "x.json", "--budget", "1GiB", "--pipeline", "2"], "--budget and --pipeline"),
+    (["--hf-config", "x.json", "--budget", "1GiB", "--max-estimates", "1"], "--max-estimates: must be >= 2"),
+    (["--hf-config", "x.json", "--max-estimates", "5"], "--max-estimates: only with --budget"),
     (["--hf-config", "x.json", "--plugin", "nf4-lora", "--pipeline", "2"], "--pipeline with --plugin"),
     (["--hf-config", "x.json", "--pipeline", "1"], "--pipeline: must be >= 2"),
     (["--hf-config", "x.json", "--microbatches", "2"], "--microbatches: only with --pipeline"),

@@ -120,6 +120,14 @@ def test_no_plan_fits_a_tiny_budget(llama_json: Path) -> None:
     assert result.estimated == 2 + 1 and result.skipped > 0  # as given, the strongest, then 2 stages (2 layers)
 
 
+def test_the_estimate_limit_is_reported(llama_json: Path, capsys: pytest.CaptureFixture) -> None:
+    plain = estimate_from_hf_config(llama_json, seq_len=64, batch_size=2)
+    main(["estimate", "--hf-config", str(llama_json), "--seq-len", "64", "--batch-size", "2",
+          "--budget", str(int(plain.peak_bytes * 0.7)), "--max-estimates", "3"])
+    out = capsys.readouterr().out
+    assert "3 plans estimated" in out and "left out by the estimate limit (raise --max-estimates)" in out
+
+
 def test_search_arguments_are_checked(llama_json: Path) -> None:
     run = HFRun(llama_json, seq_len=16)
     with pytest.raises(ValueError, match="margin"):
