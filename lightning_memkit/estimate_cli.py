@@ -112,6 +112,12 @@ def checkpoint_mode(activation_checkpointing: bool | str | None) -> str | None:
     return activation_checkpointing
 
 
+def plugin_dtype(precision: str) -> torch.dtype:
+    """The compute dtype a ``--plugin`` gets from ``--precision``: bfloat16 (``bf16-*``), float16, else float32."""
+    return {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16}.get(
+        precision, torch.float32)
+
+
 def qlora_plugin(name: str | None, precision: str, lora_rank: int = DEFAULT_LORA_RANK) -> Any:
     """The :class:`~lightning_memkit.plugins.NoSaveBitsandbytesPrecision` that ``--plugin name`` stands for:
     ``name`` without ``-lora`` as its mode, ``precision``'s dtype, LoRA adapters of ``lora_rank``."""
@@ -126,10 +132,8 @@ def qlora_plugin(name: str | None, precision: str, lora_rank: int = DEFAULT_LORA
         raise ConfigError(f"--lora-rank: must be an int >= 1, got {lora_rank!r}")
     from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
 
-    dtype = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16}.get(
-        precision, torch.float32)
     try:
-        return NoSaveBitsandbytesPrecision(name.removesuffix("-lora"), dtype, lora_rank=lora_rank)
+        return NoSaveBitsandbytesPrecision(name.removesuffix("-lora"), plugin_dtype(precision), lora_rank=lora_rank)
     except ValueError as err:
         raise ConfigError(f"--plugin {name} with --precision {precision}: {err}") from err
 
@@ -241,18 +245,18 @@ def _hf_patches(activation_checkpointing: bool, fused_loss: bool) -> list[Any]:
 
 @contextlib.contextmanager
 def fused_linear_cross_entropy_inside(module: torch.nn.Module) -> Any:
-    """:func:`~lightning_memkit.hf.fused_linear_cross_entropy` on every transformers model in ``module`` (itself, or
-    those a LightningModule holds), as the ``FusedLinearCrossEntropy`` callback applies it."""
+    """:func:`~lightning_memkit.hf.fused_linear_cross_entropy` on the causal LMs the ``FusedLinearCrossEntropy``
+    callback would patch in ``module`` (its ``find_causal_lms``: itself, or those a LightningModule holds)."""
+    from lightning_memkit.callbacks.fused_linear_cross_entropy import find_causal_lms
     from lightning_memkit.cli import ConfigError
     from lightning_memkit.hf import fused_linear_cross_entropy
-    from lightning_memkit.hf.qlora import hf_models
 
-    models = hf_models(module)
-    if not models:
-        raise ConfigError(f"fused loss: {type(module).__name__} holds no transformers model; the fused loss "
-                          "(FusedLinearCrossEntropy, --fused-loss) replaces a Hugging Face model's own loss")
+    try:
+        models = find_causal_lms(module)
+    except ValueError as err:
+        raise ConfigError(f"fused loss (FusedLinearCrossEntropy, --fused-loss): {err}") from err
     with contextlib.ExitStack() as stack:
-        for _, model in models:
+        for model in models:
             stack.enter_context(fused_linear_cross_entropy(model))
         yield
 

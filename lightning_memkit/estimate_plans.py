@@ -188,6 +188,10 @@ def _stronger_precisions(precision: str) -> list[str]:
     return [precision] + (["bf16-true"] if _PRECISION_STRENGTH.get(precision, 0) == 0 else [])
 
 
+def _stronger_checkpoints(checkpoint: str | None) -> list[str | None]:
+    return [c for c in _CHECKPOINT_STRENGTH if _CHECKPOINT_STRENGTH[c] >= _CHECKPOINT_STRENGTH[checkpoint]]
+
+
 def _stronger_plugins(plugin: str | None) -> list[str | None]:
     if plugin is None:
         return [None]
@@ -213,9 +217,8 @@ class HFRun:
     def axes(self) -> Iterator[Plan]:
         b = self.base
         for values in itertools.product(_stronger_precisions(b.precision), _stronger_plugins(b.plugin),
-                                        [c for c in _CHECKPOINT_STRENGTH if _CHECKPOINT_STRENGTH[c] >=
-                                         _CHECKPOINT_STRENGTH[b.checkpoint]],
-                                        sorted({b.fused_loss, True}), _batch_splits(b.micro_batch)):
+                                        _stronger_checkpoints(b.checkpoint), sorted({b.fused_loss, True}),
+                                        _batch_splits(b.micro_batch)):
             yield Plan(*values)
 
     def estimate(self, plan: Plan) -> Any:
@@ -292,9 +295,7 @@ class ConfigRun:
         b = self.base
         precisions = [b.precision] if b.plugin is not None else _stronger_precisions(b.precision)
         fused = sorted({b.fused_loss, self.hf})
-        for values in itertools.product(precisions, _stronger_plugins(b.plugin),
-                                        [c for c in _CHECKPOINT_STRENGTH if _CHECKPOINT_STRENGTH[c] >=
-                                         _CHECKPOINT_STRENGTH[b.checkpoint]],
+        for values in itertools.product(precisions, _stronger_plugins(b.plugin), _stronger_checkpoints(b.checkpoint),
                                         fused, _batch_splits(b.micro_batch) if b.micro_batch else [0]):
             yield Plan(*values)
 
@@ -342,14 +343,18 @@ class ConfigRun:
 
 
 def _has_hf_model(model_entry: dict[str, Any]) -> bool:
-    """Whether the config's model holds a transformers model (the fused-loss callback's target), built on fake
-    tensors."""
+    """Whether the config's model has a causal LM the ``FusedLinearCrossEntropy`` callback can patch (its
+    ``find_causal_lms``), built on fake tensors."""
+    from lightning_memkit.callbacks.fused_linear_cross_entropy import find_causal_lms
     from lightning_memkit.estimate_cli import _instantiate
-    from lightning_memkit.hf.qlora import hf_models
     from lightning_memkit.memory.estimate_trace import fake_tensors
 
     with fake_tensors():
-        return bool(hf_models(_instantiate(model_entry)))
+        model = _instantiate(model_entry)
+    try:
+        return bool(find_causal_lms(model))
+    except (ValueError, ImportError):
+        return False
 
 
 def _feature_callbacks(plan: Plan, fused_callback: bool) -> list[dict[str, Any]]:
@@ -363,7 +368,9 @@ def _feature_callbacks(plan: Plan, fused_callback: bool) -> list[dict[str, Any]]
 
 
 def _plugin_entry(plan: Plan, lora_rank: int) -> dict[str, Any]:
-    dtype = {"bf16-true": "bfloat16", "bf16-mixed": "bfloat16", "16-true": "float16"}.get(plan.precision, "float32")
+    from lightning_memkit.estimate_cli import plugin_dtype
+
+    dtype = str(plugin_dtype(plan.precision)).removeprefix("torch.")
     return {"class_path": "lightning_memkit.plugins.NoSaveBitsandbytesPrecision",
             "init_args": {"mode": plan.plugin.removesuffix("-lora"), "dtype": dtype, "lora_rank": lora_rank}}
 
