@@ -31,17 +31,23 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import secrets
+import shutil
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
+from lightning_memkit.memory.storage import unique_storage_bytes
+from lightning_memkit.pipeline import writer_lock
 from lightning_memkit.validation import check_int
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
     "FORMAT",
     "MANIFEST",
     "VERSION",
+    "load_committed_shard",
     "load_shard",
     "merge_state_dicts",
     "new_save_id",
@@ -92,15 +99,25 @@ class _HashingWriter:
     def __init__(self, file: IO[bytes]) -> None:
         self.file = file
         self.size = 0
+        self.error: OSError | None = None  # the first OSError, kept: torch's writer reports it as "unexpected pos"
         self._sha = hashlib.sha256()
 
     def write(self, data: Any) -> int:
+        try:
+            n = self.file.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
         self._sha.update(data)
         self.size += len(data)
-        return self.file.write(data)
+        return n
 
     def flush(self) -> None:
-        self.file.flush()
+        try:
+            self.file.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def hexdigest(self) -> str:
         return self._sha.hexdigest()
@@ -119,9 +136,47 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(target: Path, write: Callable[[_HashingWriter], Any]) -> tuple[int, str]:
-    """Write ``target`` through a same-directory temporary file, fsync it and rename it into place."""
+def _named_write_error(target: Path, err: OSError, needed: int | None, written: int) -> CheckpointError:
+    """The cause of a failed write in words: out of space (with the bytes), file size limit, permission, I/O."""
+    need = "" if needed is None else f"; it needs at least {needed:,} bytes"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(target.parent).free
+        cause = "ENOSPC, no space left" if err.errno == errno.ENOSPC else "EDQUOT, disk quota exceeded"
+        return CheckpointError(target, f"out of space on the file system of {target.parent} ({cause}) after "
+                                       f"{written:,} bytes{need}, {free:,} bytes free")
+    if err.errno == errno.EFBIG:
+        return CheckpointError(target, f"the file size limit (EFBIG: RLIMIT_FSIZE, ulimit -f) stopped the write "
+                                       f"at {written:,} bytes{need}")
+    if isinstance(err, PermissionError) or err.errno == errno.EROFS:
+        return CheckpointError(target, f"cannot write in {target.parent}: {err.strerror or err} "
+                                       f"({errno.errorcode.get(err.errno or 0, 'EACCES')})")
+    return CheckpointError(target, f"write failed after {written:,} bytes: {err.strerror or err} "
+                                   f"({errno.errorcode.get(err.errno or 0, type(err).__name__)})")
+
+
+def _check_free_space(target: Path, needed: int) -> None:
+    """Refuse before writing when the file system of ``target`` cannot hold ``needed`` bytes (a lower bound)."""
+    try:
+        st = os.statvfs(target.parent)
+    except (OSError, AttributeError):  # no statvfs (Windows): the write itself will tell
+        return
+    free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+    if needed > free:
+        raise CheckpointError(target, f"out of space on the file system of {target.parent} (ENOSPC): it needs at "
+                                      f"least {needed:,} bytes, {free:,} bytes free; nothing was written")
+
+
+def _atomic_write(target: Path, write: Callable[[_HashingWriter], Any], needed: int | None = None) -> tuple[int, str]:
+    """Write ``target`` through a same-directory temporary file, fsync it and rename it into place.
+
+    ``needed`` (a lower bound of the size, when known) is checked against the free space first. An ``OSError``
+    on the way (also one that torch's writer reports as its own ``RuntimeError``) becomes a
+    :class:`CheckpointError` naming its cause; the temporary file is removed either way.
+    """
+    if needed is not None:
+        _check_free_space(target, needed)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    writer: _HashingWriter | None = None
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
@@ -129,8 +184,13 @@ def _atomic_write(target: Path, write: Callable[[_HashingWriter], Any]) -> tuple
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        with contextlib.suppress(OSError):  # on a read-only file system even a missing file raises EROFS
+            tmp.unlink(missing_ok=True)
+        cause = err if isinstance(err, OSError) else writer.error if writer is not None else None
+        if isinstance(cause, OSError) and not isinstance(err, (KeyboardInterrupt, SystemExit)):
+            written = writer.size if writer is not None else 0
+            raise _named_write_error(target, cause, needed, written) from err
         raise
     _fsync_dir(target.parent)
     return writer.size, writer.hexdigest()
@@ -174,7 +234,8 @@ def write_shard(
     """
     name = shard_name(rank, save_id)
     payload = {_RECORD: _record(save_id, rank, global_step, epoch), "checkpoint": state}
-    size, sha = _atomic_write(Path(directory) / name, lambda f: torch.save(payload, f))
+    size, sha = _atomic_write(Path(directory) / name, lambda f: torch.save(payload, f),
+                              needed=unique_storage_bytes(state))
     return {"rank": rank, "file": name, "bytes": size, "sha256": sha}
 
 
@@ -237,11 +298,34 @@ def _default_all_gather(obj: Any) -> list[Any]:
 
 
 # -- saving ----------------------------------------------------------------------------------------------------
+def _error_text(err: Exception) -> str:
+    return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+
+
 def _try_write_shard(directory: Path, state: Any, **kwargs: Any) -> tuple[dict[str, Any] | None, str | None]:
     try:
+        if not directory.is_dir():
+            directory.mkdir(parents=True, exist_ok=True)
         return write_shard(directory, state, **kwargs), None
+    except OSError as err:  # the directory itself
+        return None, _error_text(_named_write_error(directory, err, None, 0))
     except Exception as err:  # noqa: BLE001 - reported to every rank, re-raised below
-        return None, f"{type(err).__name__}: {err}"
+        return None, _error_text(err)
+
+
+def _commit_or_raise(directory: Path, manifest: dict[str, Any], rank: int,
+                     all_gather: Callable[[Any], list[Any]]) -> None:
+    """Rank 0 writes the manifest; every rank learns the outcome (a failed commit raises the same on all)."""
+    error = None
+    if rank == 0:
+        try:
+            write_manifest(directory, manifest)
+        except Exception as err:  # noqa: BLE001 - reported to every rank, re-raised below
+            error = _error_text(err)
+    failures = [e for e in all_gather(error) if e is not None]
+    if failures:
+        raise CheckpointError(directory, f"the commit failed ({failures[0]}); the previous checkpoint (if any) is "
+                                         "intact")
 
 
 def _entries_or_raise(directory: Path, results: list[Any], rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -257,6 +341,27 @@ def _entries_or_raise(directory: Path, results: list[Any], rank: int, world_size
     return [entry for entry, _ in results]
 
 
+_PROCESS_RUN_ID = new_save_id()  # the run id of saves that pass none: one per process (a forked child shares it)
+
+
+def _lock_or_raise(directory: Path, lock_dir: Path, run_id: str, rank: int,
+                   all_gather: Callable[[Any], list[Any]]) -> None:
+    """Rank 0 takes (or confirms) the writer lock of ``lock_dir``; every rank raises the same error if it failed."""
+    error = None
+    if rank == 0:
+        try:
+            lock_dir.mkdir(parents=True, exist_ok=True)
+            writer_lock.acquire(lock_dir, run_id)
+        except writer_lock.LockHeld as err:
+            error = f"{err}; nothing was written"
+        except OSError as err:
+            error = (f"cannot take the writer lock {lock_dir / writer_lock.LOCK_FILE}: {err.strerror or err} "
+                     f"({errno.errorcode.get(err.errno or 0, type(err).__name__)}); nothing was written")
+    failures = [e for e in all_gather(error) if e is not None]
+    if failures:
+        raise CheckpointError(directory, failures[0])
+
+
 def save_sharded(
     directory: str | os.PathLike,
     state: Any,
@@ -269,12 +374,17 @@ def save_sharded(
     meta: Mapping[str, Any] | None = None,
     barrier: Callable[[str], Any] | None = None,
     all_gather: Callable[[Any], list[Any]] | None = None,
+    run_id: str | None = None,
+    lock_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Save this rank's ``state`` as one shard of a crash-consistent checkpoint; call it on every rank.
 
-    Order: write the shard, barrier, gather every rank's entry, rank 0 writes the manifest (the commit),
-    barrier, rank 0 removes stale files. ``barrier(name)`` and ``all_gather(obj) -> list`` default to
-    ``torch.distributed`` (no-ops without a process group); ``save_id`` (same on every rank, see
+    Order: rank 0 takes the writer lock of ``lock_dir`` (default ``directory``) for ``run_id`` (default: one id
+    per process), every rank writes its shard, barrier, gather every rank's entry, rank 0 writes the manifest
+    (the commit) and every rank learns the outcome, rank 0 removes stale files. A directory locked by another
+    live writer raises :class:`CheckpointError` on every rank, naming the owner, before anything is written
+    (:mod:`~lightning_memkit.pipeline.writer_lock`). ``barrier(name)`` and ``all_gather(obj) -> list`` default
+    to ``torch.distributed`` (no-ops without a process group); ``save_id`` (same on every rank, see
     :func:`new_save_id`) may be omitted only with ``world_size=1``. Returns the committed manifest.
 
     >>> import tempfile, torch
@@ -293,7 +403,8 @@ def save_sharded(
     barrier = barrier or _default_barrier
     all_gather = all_gather or _default_all_gather
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    _lock_or_raise(directory, Path(lock_dir) if lock_dir is not None else directory, run_id or _PROCESS_RUN_ID,
+                   rank, all_gather)
     result = _try_write_shard(directory, state, rank=rank, save_id=save_id, global_step=global_step, epoch=epoch)
     barrier("memkit_checkpoint.shards_written")
     entries = _entries_or_raise(directory, all_gather(result), rank, world_size)
@@ -301,11 +412,12 @@ def save_sharded(
         "format": FORMAT, "version": VERSION, "save_id": save_id, "global_step": global_step, "epoch": epoch,
         "world_size": world_size, "shards": entries, "meta": dict(meta or {}),
     }
+    _commit_or_raise(directory, manifest, rank, all_gather)
     if rank == 0:
-        write_manifest(directory, manifest)
-    barrier("memkit_checkpoint.manifest_committed")
-    if rank == 0:
-        remove_stale(directory, manifest)
+        try:
+            remove_stale(directory, manifest)
+        except OSError as err:  # committed already: the old files are only garbage, for the next save to sweep
+            warnings.warn(f"{directory}: saved, but files of earlier saves could not be removed ({err})", stacklevel=2)
     return manifest
 
 
@@ -375,24 +487,96 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def _sha256(file: Path) -> str:
+_READ_ATTEMPTS = 5  # manifests a reader follows when saves keep replacing the checkpoint under it
+
+
+def _sha256(file: Path | IO[bytes]) -> str:
+    """The sha256 of a file, by path or of an open file from its start (left at its start again)."""
+    if not hasattr(file, "read"):
+        with open(file, "rb") as f:
+            return _sha256(f)
     sha = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            sha.update(chunk)
+    file.seek(0)
+    while chunk := file.read(_CHUNK):
+        sha.update(chunk)
+    file.seek(0)
     return sha.hexdigest()
 
 
-def _check_shard_file(directory: Path, entry: Mapping[str, Any], hash_it: bool) -> None:
-    file = directory / entry["file"]
-    try:
-        size = file.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointError(file, f"missing shard of rank {entry['rank']} listed by {MANIFEST}") from None
-    if size != entry["bytes"]:
-        raise CheckpointError(file, f"{size} bytes where {MANIFEST} lists {entry['bytes']} (truncated or replaced)")
-    if hash_it and _sha256(file) != entry["sha256"]:
-        raise CheckpointError(file, f"sha256 differs from the one {MANIFEST} lists (corrupt or replaced)")
+class _Shards:
+    """The shards of one committed manifest, opened together: a later save may delete the files, not these reads.
+
+    A shard the manifest lists but that is gone when opened means either damage, or a newer save committed
+    and swept it meanwhile; in the second case the reader follows the newer manifest (up to a few times).
+    """
+
+    def __init__(self, directory: Path, ranks: Iterable[int] | None = None,
+                 manifest: Mapping[str, Any] | None = None) -> None:
+        self.directory = directory
+        for _ in range(1 if manifest is not None else _READ_ATTEMPTS):
+            self.manifest = manifest if manifest is not None else read_manifest(directory)
+            wanted = range(self.manifest["world_size"]) if ranks is None else ranks
+            if self._open([self.manifest["shards"][r] for r in wanted]):
+                return
+        raise CheckpointError(directory, f"replaced {_READ_ATTEMPTS} times while being opened: another process keeps "
+                                         "saving into it; load it again once that run has stopped")
+
+    def _open(self, entries: list[Mapping[str, Any]]) -> bool:
+        self.files: dict[int, IO[bytes]] = {}
+        for entry in entries:
+            file = self.directory / entry["file"]
+            try:
+                self.files[entry["rank"]] = open(file, "rb")  # noqa: SIM115 - closed by close()
+            except FileNotFoundError:
+                self.close()
+                if self._replaced():
+                    return False
+                raise CheckpointError(file, f"missing shard of rank {entry['rank']} listed by {MANIFEST}") from None
+            except OSError as err:
+                self.close()
+                raise CheckpointError(file, f"cannot open the shard: {err.strerror or err}") from err
+        return True
+
+    def _replaced(self) -> bool:
+        try:
+            return read_manifest(self.directory)["save_id"] != self.manifest["save_id"]
+        except CheckpointError:
+            return False
+
+    def check(self, rank: int, hash_it: bool) -> None:
+        """The listed size (and sha256) of ``rank``'s shard, read from the open file."""
+        entry, f = self.manifest["shards"][rank], self.files[rank]
+        file = self.directory / entry["file"]
+        size = os.fstat(f.fileno()).st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(file, f"{size} bytes where {MANIFEST} lists {entry['bytes']} (truncated or replaced)")
+        try:
+            digest = _sha256(f) if hash_it else entry["sha256"]
+        except OSError as err:
+            raise CheckpointError(file, f"cannot read the shard: {err.strerror or err}") from err
+        if digest != entry["sha256"]:
+            raise CheckpointError(file, f"sha256 differs from the one {MANIFEST} lists (corrupt or replaced)")
+
+    def load(self, rank: int, weights_only: bool | None) -> Any:
+        """``rank``'s state, after checking the record the shard carries against the manifest."""
+        file = self.directory / self.manifest["shards"][rank]["file"]
+        try:
+            payload = torch.load(self.files[rank], map_location="cpu", weights_only=weights_only)
+        except Exception as err:  # noqa: BLE001 - any unpickling failure means an unusable shard
+            raise CheckpointError(file, f"unreadable shard ({type(err).__name__}: {err})") from err
+        _check_record(file, payload, self.manifest, rank)
+        return payload["checkpoint"]
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+
+    def __enter__(self) -> _Shards:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def verify_checkpoint(directory: str | os.PathLike, *, hash_ranks: Iterable[int] | None = None) -> dict[str, Any]:
@@ -406,12 +590,11 @@ def verify_checkpoint(directory: str | os.PathLike, *, hash_ranks: Iterable[int]
     >>> verify_checkpoint(d)["world_size"]
     1
     """
-    directory = Path(directory)
-    manifest = read_manifest(directory)
     hashed = None if hash_ranks is None else set(hash_ranks)
-    for entry in manifest["shards"]:
-        _check_shard_file(directory, entry, hashed is None or entry["rank"] in hashed)
-    return manifest
+    with _Shards(Path(directory)) as shards:
+        for rank in shards.files:
+            shards.check(rank, hashed is None or rank in hashed)
+        return shards.manifest
 
 
 def _check_record(file: Path, payload: Any, manifest: Mapping[str, Any], rank: int) -> None:
@@ -420,6 +603,35 @@ def _check_record(file: Path, payload: Any, manifest: Mapping[str, Any], rank: i
     if record != expected or "checkpoint" not in payload:
         raise CheckpointError(file, f"the shard records {record!r}, but {MANIFEST} expects {expected!r} "
                                     "(a shard of another save)")
+
+
+def _check_rank(directory: Path, manifest: Mapping[str, Any], rank: int) -> None:
+    if not 0 <= rank < manifest["world_size"]:
+        raise CheckpointError(directory / MANIFEST, f"has no shard for rank {rank} (world_size="
+                                                    f"{manifest['world_size']})")
+
+
+def load_committed_shard(
+    directory: str | os.PathLike, rank: int, *, weights_only: bool | None = None,
+) -> tuple[dict[str, Any], Any]:
+    """``(manifest, state)`` of ``rank``: the committed manifest, this rank's shard checked (size, sha256, record)
+    and loaded from the same open file, so that a save committing meanwhile cannot mix two checkpoints.
+
+    Every shard the manifest lists must exist. Raises :class:`CheckpointError` (naming the file) and nothing else.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save_sharded(d, {"lr": 0.1}, global_step=4)
+    >>> manifest, state = load_committed_shard(d, 0)
+    >>> manifest["global_step"], state
+    (4, {'lr': 0.1})
+    """
+    directory = Path(directory)
+    with _Shards(directory) as shards:
+        _check_rank(directory, shards.manifest, rank)
+        for r in shards.files:
+            shards.check(r, r == rank)
+        return shards.manifest, shards.load(rank, weights_only)
 
 
 def load_shard(
@@ -440,23 +652,17 @@ def load_shard(
     """
     directory = Path(directory)
     if manifest is None:
-        manifest = verify_checkpoint(directory, hash_ranks=(rank,))
-    if not 0 <= rank < manifest["world_size"]:
-        raise CheckpointError(directory / MANIFEST, f"has no shard for rank {rank} (world_size="
-                                                    f"{manifest['world_size']})")
-    file = directory / manifest["shards"][rank]["file"]
-    try:
-        payload = torch.load(file, map_location="cpu", weights_only=weights_only)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means an unusable shard
-        raise CheckpointError(file, f"unreadable shard ({type(err).__name__}: {err})") from err
-    _check_record(file, payload, manifest, rank)
-    return payload["checkpoint"]
+        return load_committed_shard(directory, rank, weights_only=weights_only)[1]
+    _check_rank(directory, manifest, rank)
+    with _Shards(directory, (rank,), manifest) as shards:
+        shards.check(rank, False)
+        return shards.load(rank, weights_only)
 
 
 def merge_state_dicts(
     directory: str | os.PathLike, key: str = "state_dict", *, weights_only: bool | None = None
 ) -> dict[str, Any]:
-    """Every shard's ``state[key]`` merged into one dict (all shards checked and hashed first).
+    """Every shard's ``state[key]`` merged into one dict (all shards opened together, checked and hashed first).
 
     >>> import tempfile, torch
     >>> d = tempfile.mkdtemp()
@@ -464,11 +670,13 @@ def merge_state_dicts(
     >>> merge_state_dicts(d)
     {'w': tensor([1.])}
     """
-    manifest = verify_checkpoint(directory)
     merged: dict[str, Any] = {}
-    for entry in manifest["shards"]:
-        state = load_shard(directory, entry["rank"], manifest=manifest, weights_only=weights_only)
-        if not isinstance(state, dict) or not isinstance(state.get(key), dict):
-            raise CheckpointError(Path(directory) / entry["file"], f"the shard holds no {key!r} dict")
-        merged.update(state[key])
+    with _Shards(Path(directory)) as shards:
+        for rank in shards.files:
+            shards.check(rank, True)
+        for entry in shards.manifest["shards"]:
+            state = shards.load(entry["rank"], weights_only)
+            if not isinstance(state, dict) or not isinstance(state.get(key), dict):
+                raise CheckpointError(Path(directory) / entry["file"], f"the shard holds no {key!r} dict")
+            merged.update(state[key])
     return merged

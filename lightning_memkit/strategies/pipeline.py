@@ -66,8 +66,10 @@ from lightning_memkit.pipeline import (
     partition_layers,
     static_cost,
     uniform_partition,
+    writer_lock,
 )
 from lightning_memkit.pipeline import checkpoint as ckpt_format
+from lightning_memkit.pipeline.checkpoint_match import model_mismatch
 from lightning_memkit.pipeline.config import PipelineConfig
 from lightning_memkit.pipeline.gradients import (
     average_gradients,
@@ -184,6 +186,8 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         self._plan: _Plan | None = None
         self._tie_groups: list[tuple[nn.Parameter, Any]] = []
         self._not_owned: set[int] = set()
+        self._run_id = ckpt_format.new_save_id()  # owns the writer lock of the directories this run saves into
+        self._locked: set[Path] = set()
 
     # the options, read-only (one home: self.config)
     schedule = property(lambda self: self.config.schedule)
@@ -642,7 +646,9 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
 
         Overwriting a checkpoint in place (``last.ckpt``) never touches the shards the committed manifest lists;
         a crash anywhere in between leaves the previous save loadable (:mod:`lightning_memkit.pipeline.checkpoint`).
-        The shards are written by that module, not by a ``checkpoint_io`` plugin.
+        The first save takes the writer lock of the directory that holds the checkpoint (``ModelCheckpoint``'s
+        ``dirpath``) for this run, until teardown: another run saving there gets a ``CheckpointError`` naming
+        this one before it writes anything. The shards are written by that module, not by a ``checkpoint_io``.
         """
         if storage_options is not None:
             raise TypeError(f"{_OWNER}.save_checkpoint does not take storage_options (got {storage_options!r})")
@@ -653,15 +659,24 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
             raise RuntimeError("MemkitPipelineStrategy is not set up: there is no partition to checkpoint yet")
         save_id = self.broadcast(ckpt_format.new_save_id() if self.is_global_zero else None, src=0)
         replica, pp_rank = divmod(self.global_rank, self.mesh_shape[1])
+        error = None
         if replica == 0:  # the replicas hold the same weights and optimizer state: the first one writes them
             group = self.mesh["pp"].get_group()
-            ckpt_format.save_sharded(
-                path, checkpoint, rank=pp_rank, world_size=self.mesh_shape[1],
-                global_step=int(checkpoint.get("global_step", 0)), epoch=int(checkpoint.get("epoch", 0)),
-                save_id=save_id, meta=self._partition_meta(), barrier=lambda _name: torch.distributed.barrier(group),
-                all_gather=lambda obj: _all_gather_object(obj, group),
-            )
-        self.barrier()  # no rank goes on (or reads the checkpoint) before the manifest is committed
+            try:
+                ckpt_format.save_sharded(
+                    path, checkpoint, rank=pp_rank, world_size=self.mesh_shape[1],
+                    global_step=int(checkpoint.get("global_step", 0)), epoch=int(checkpoint.get("epoch", 0)),
+                    save_id=save_id, meta=self._partition_meta(), run_id=self._run_id, lock_dir=path.parent,
+                    barrier=lambda _name: torch.distributed.barrier(group),
+                    all_gather=lambda obj: _all_gather_object(obj, group),
+                )
+            except ckpt_format.CheckpointError as err:
+                error = str(err)
+            if pp_rank == 0:
+                self._locked.add(path.parent)
+        failures = [e for e in self._all_gather_object(error) if e is not None]  # the replicas raise it too
+        if failures:
+            raise ckpt_format.CheckpointError(path, failures[0].removeprefix(f"{path}: "))
 
     def _partition_meta(self) -> dict[str, Any]:
         part = self.partition
@@ -673,21 +688,26 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         return _all_gather_object(obj, None)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """This rank's shard after checking the whole checkpoint; every rank raises if any rank finds it bad."""
+        """This rank's shard after checking the checkpoint and that it fits the model, before anything is loaded
+        into it; every rank raises the same ``CheckpointError`` if any rank finds a problem."""
         path = Path(checkpoint_path)
-        checkpoint, error = None, None
+        checkpoint, error, save_id = None, None, None
         try:
-            checkpoint = self._load_own_shard(path, weights_only)
+            save_id, checkpoint = self._load_own_shard(path, weights_only)
         except Exception as err:  # noqa: BLE001 - shared with every rank below, so that none goes on alone
             error = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-        failures = [e for e in self._all_gather_object(error) if e is not None]
+        gathered = self._all_gather_object((error, save_id))
+        failures = [e for e, _ in gathered if e is not None]
         if failures:
-            raise ckpt_format.CheckpointError(path, f"cannot resume: {failures[0]}")
+            raise ckpt_format.CheckpointError(path, f"cannot resume: {failures[0].removeprefix(f'{path}: ')}")
+        if len({s for _, s in gathered}) > 1:  # a save committed between two ranks' reads
+            raise ckpt_format.CheckpointError(path, "cannot resume: it was replaced by another save while the ranks "
+                                                    "were reading it; load it again once that run has stopped")
         return checkpoint
 
-    def _load_own_shard(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+    def _load_own_shard(self, path: Path, weights_only: bool | None) -> tuple[str, dict[str, Any]]:
         pp_rank = self.global_rank % self.mesh_shape[1]
-        manifest = ckpt_format.verify_checkpoint(path, hash_ranks=(pp_rank,))
+        manifest = ckpt_format.read_manifest(path)
         meta = manifest["meta"]
         if manifest["world_size"] != self.mesh_shape[1]:
             raise ValueError(
@@ -700,9 +720,13 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
                 f"{path} holds stages for schedule={meta.get('schedule')!r} ({meta.get('stages_per_rank')} per "
                 f"rank); this strategy uses schedule={self.schedule!r} ({self.stages_per_rank} per rank)"
             )
-        checkpoint = ckpt_format.load_shard(path, pp_rank, manifest=manifest, weights_only=weights_only)
-        self._restored = meta
-        return checkpoint
+        manifest, checkpoint = ckpt_format.load_committed_shard(path, pp_rank, weights_only=weights_only)
+        problem = model_mismatch(manifest["meta"], checkpoint.get("state_dict", {}),
+                                 self.lightning_module.state_dict(), len(self._build_plan().layers))
+        if problem is not None:
+            raise ckpt_format.CheckpointError(path, f"a checkpoint of another model: {problem}")
+        self._restored = manifest["meta"]
+        return manifest["save_id"], checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
@@ -720,8 +744,14 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
             raise KeyError(f"the checkpoint shard of rank {self.global_rank} lacks this rank's entries: {missing[:5]}")
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Delete a checkpoint of this run (rank 0), after checking that this run still holds the directory's lock."""
         if self.is_global_zero:
             path = Path(filepath)
+            if path.parent in self._locked:
+                try:
+                    writer_lock.acquire(path.parent, self._run_id)
+                except writer_lock.LockHeld as err:
+                    raise ckpt_format.CheckpointError(path, f"not removed: {err}") from None
             if path.is_dir():
                 shutil.rmtree(path)
             else:
@@ -738,6 +768,9 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        for directory in self._locked:  # other runs may save here from now on
+            writer_lock.release(directory, self._run_id)
+        self._locked.clear()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
 

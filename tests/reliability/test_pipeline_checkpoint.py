@@ -31,6 +31,7 @@ from lightning_memkit.pipeline.checkpoint import (
     save_sharded,
     verify_checkpoint,
 )
+from lightning_memkit.pipeline.writer_lock import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPATH = ranks.PYPATH
@@ -114,7 +115,8 @@ def assert_holds(directory: Path, states: list[dict], step: int) -> None:
 
 
 def files(directory: Path) -> list[str]:
-    return sorted(os.listdir(directory))
+    """The checkpoint's files (the writer lock of a standalone save lives in the directory too)."""
+    return sorted(name for name in os.listdir(directory) if name != LOCK_FILE)
 
 
 def committed_files(directory: Path) -> list[str]:

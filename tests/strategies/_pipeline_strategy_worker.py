@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import warnings
 from pathlib import Path
@@ -17,6 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit.demo import TinyLM
+from lightning_memkit.pipeline.writer_lock import LOCK_FILE
 from lightning_memkit.strategies import MemkitPipelineStrategy, load_pipeline_state_dict
 
 warnings.filterwarnings("ignore")
@@ -91,24 +94,36 @@ def errors(out: Path) -> dict:
 
     train, val = loaders()
     odd, _ = loaders(batch=6)
+    saved = str(out / "ckpt" / "epoch=0-step=3.ckpt")
+    locked = out / "locked"
     cases = {
-        "protocol": (NoProtocol(), train),
-        "stages": (OneLayer(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ), train),
-        "batch": (model(), odd),
+        "protocol": (NoProtocol(), train, None, []),
+        "stages": (OneLayer(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ), train, None, []),
+        "batch": (model(), odd, None, []),
+        "layers": (TinyLM(d_model=16, n_layers=3, n_heads=2, seq_len=SEQ), train, saved, []),
+        "width": (TinyLM(d_model=32, n_layers=2, n_heads=2, seq_len=SEQ), train, saved, []),
+        "locked": (model(), train, None, [ModelCheckpoint(dirpath=locked, every_n_epochs=1)]),
     }
-    for name, (module, data) in cases.items():
+    if int(os.environ["LOCAL_RANK"]) == 0:  # another live run (the test process itself) holds `locked`
+        locked.mkdir()
+        parent = os.getppid()
+        start = Path(f"/proc/{parent}/stat").read_text().rpartition(")")[2].split()[19]
+        (locked / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": parent, "start": start,
+                                                    "run_id": "other-run", "since": "earlier"}))
+    for name, (module, data, ckpt_path, callbacks) in cases.items():
         try:
-            trainer(out / name, []).fit(module, data, val)
+            trainer(out / name, callbacks).fit(module, data, val, ckpt_path=ckpt_path)
         except Exception as err:  # noqa: BLE001 - the error is the result
             found[name] = f"{type(err).__name__}: {err}"
         else:
             found[name] = None
+    found["locked_files"] = sorted(os.listdir(locked))
     return found
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    rank = int(__import__("os").environ["LOCAL_RANK"])
+    rank = int(os.environ["LOCAL_RANK"])
     result = {}
     record = Record()
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1, every_n_epochs=1)

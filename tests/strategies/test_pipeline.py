@@ -152,6 +152,17 @@ def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
     assert errors["protocol"].startswith("TypeError: strategy='memkit_pipeline' needs the LightningModule")
     assert errors["stages"].startswith("ValueError: num_stages=2 exceeds the 1 layers")
     assert errors["batch"].startswith("ValueError: a batch of 6 samples does not split into microbatches=4")
+    saved = str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    assert errors["layers"] == (  # the same words on both ranks (checked above), naming the checkpoint
+        f"CheckpointError: {saved}: cannot resume: a checkpoint of another model: it holds a model of 5 pipeline "
+        "layers (stages of [2, 3]); this model has 6")
+    assert errors["width"] == (f"CheckpointError: {saved}: cannot resume: a checkpoint of another model: "
+                               "'tok_emb.weight' has shape (256, 16) in the checkpoint and (256, 32) in this model")
+    locked = tmp_path / "locked"
+    assert errors["locked"].startswith(f"CheckpointError: {locked}")
+    assert f"another writer holds {locked / '.memkit-writer.lock'} (host" in errors["locked"]
+    assert f"pid {os.getpid()}, run id 'other-run'" in errors["locked"] and "nothing was written" in errors["locked"]
+    assert errors["locked_files"] == [".memkit-writer.lock"]  # the other run's directory is untouched
 
 
 @pytest.mark.cuda
