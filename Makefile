@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.memkit-installed
 BENCH_STAMP := $(VENV)/.memkit-bench-installed
 
-.PHONY: demo test bench lint venv clean
+.PHONY: demo test bench lint venv clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,19 @@ $(BENCH_STAMP): $(STAMP)
 # The benchmarks, with their peers installed (the `bench` extra).
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.run $(BENCH_ARGS)
+
+# On a lent GPU machine with no network: that machine's own Python (GPU_PYTHON), the wheels of `make gpu-wheels`
+# installed from .gpu-wheels/ into a temporary folder, every CUDA test, doc block and benchmark entry; results go to
+# benchmarks/results/*-cuda.json, the pages, runs/gpu-check/ and, when OUT is set, to $(OUT) as they come.
+# `make gpu-check DRY_RUN=1` lists the steps and their expected times (any machine); QUICK=1 runs the quick subset.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run) $(if $(QUICK),--quick) \
+		$(if $(wildcard .gpu-wheels/*.whl),--wheels .gpu-wheels) $(if $(OUT),--out "$(OUT)") $(GPU_CHECK_ARGS)
+
+# The wheels the GPU machine lacks, for Linux x86-64 and Python 3.12, at this environment's versions (needs PyPI).
+gpu-wheels: $(STAMP)
+	$(PY) -m benchmarks.gpu_wheels .gpu-wheels
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lightning_memkit tests benchmarks examples
