@@ -4,8 +4,8 @@
 selectable by ``class_path`` (default: :class:`~lightning_memkit.demo.TinyLM` on
 :class:`~lightning_memkit.demo.ByteTextDataModule`). After ``fit`` it prints, on global rank 0, one report
 built from the callbacks found on the trainer: the :class:`~lightning_memkit.callbacks.PeakMemoryMonitor`
-summary, the latest ``SavedTensorProfiler`` table with the paths of its JSON/PNG files, and the first
-and last training loss.
+summary, the latest ``SavedTensorProfiler`` table with the paths of its JSON/PNG files, and the training
+loss of the first and the last optimizer step (as logged: not divided by ``accumulate_grad_batches``).
 
 ``validate``, ``test`` and ``predict`` run as in Lightning (``predict`` then prints what it predicted);
 ``memkit compare --config C ...`` is :func:`lightning_memkit.compare.main`; ``memkit estimate ...`` (the
@@ -13,22 +13,23 @@ predicted memory of a training step, nothing allocated) is :func:`lightning_memk
 
 A bad configuration value (unknown key, wrong type, bad ``class_path``, or a ``ValueError``/``TypeError``
 raised by a constructor) is a :class:`ConfigError`: ``memkit`` prints it on one or two lines, naming the
-key and what is allowed, and exits with status 2. ``--debug`` (anywhere on the command line) or the
-environment variable ``MEMKIT_DEBUG=1`` shows the full traceback instead. Errors raised while training
-always show their traceback.
+key and what is allowed, and exits with status 2; so do a ``--config`` file that is not YAML (one line
+naming the file, line and column) and an unknown subcommand (one line listing them). ``--debug``
+(anywhere on the command line) or the environment variable ``MEMKIT_DEBUG=1`` shows the full traceback
+instead. Errors raised while training always show their traceback.
 
 Usage::
 
     memkit fit --config examples/configs/tiny_lm.yaml
     memkit fit --config examples/configs/tiny_lm.yaml --trainer.max_steps 20 --model.n_layers 2
     memkit test --config examples/configs/tiny_lm.yaml --trainer.limit_test_batches 2
+    memkit --help     # every subcommand, one line each
     memkit fit --help
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import re
 import sys
@@ -47,7 +48,8 @@ from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
 from lightning_memkit.validation import check_int
 
 __all__ = [
-    "ConfigError", "MemkitCLI", "LossTracker", "describe_config_error", "describe_predictions", "memory_report", "main",
+    "ConfigError", "MemkitCLI", "LossTracker", "SUBCOMMANDS", "check_config_syntax", "describe_config_error",
+    "describe_predictions", "describe_yaml_error", "memory_report", "main", "usage",
 ]
 
 DEFAULT_MODEL = "lightning_memkit.demo.TinyLM"
@@ -55,29 +57,57 @@ DEFAULT_DATA = "lightning_memkit.demo.ByteTextDataModule"
 
 
 class LossTracker(Callback):
-    """Keeps the first and the last training loss of a fit (``outputs["loss"]`` or a tensor output)."""
+    """Keeps the training loss of the first and the last optimizer step of a fit, as the logger shows it.
+
+    The loss is the one ``training_step`` returned (``outputs["loss"]`` or a tensor output) on the batch that
+    ended an optimizer step, before Lightning's division by ``accumulate_grad_batches``. ``steps`` counts the
+    optimizer steps of the fit (``trainer.global_step``'s increase), ``micro_batches`` the training batches.
+    """
 
     def __init__(self) -> None:
         self.first: float | None = None
         self.last: float | None = None
         self.steps = 0
+        self.micro_batches = 0
+        self.accumulate = 1
+        self._global_step = 0
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:  # after a resume's restore
         self.first = self.last = None
-        self.steps = 0
+        self.steps = self.micro_batches = 0
+        self.accumulate = trainer.accumulate_grad_batches
+        self._global_step = trainer.global_step
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        self.micro_batches += 1
+        stepped = trainer.global_step - self._global_step
+        self._global_step = trainer.global_step
+        if stepped <= 0:
             return
-        value = float(loss.detach())
-        if math.isfinite(value):
+        self.steps += stepped
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            value = _undivided(loss, self.accumulate if pl_module.automatic_optimization else 1)
             if self.first is None:
                 self.first = value
             self.last = value
-            self.steps += 1
+
+    def summary(self) -> str | None:
+        """``train loss: first F -> last L over N optimizer steps`` (and the micro-batches under accumulation)."""
+        if self.first is None:
+            return None
+        line = f"train loss: first {self.first:.4f} -> last {self.last:.4f} over {self.steps} optimizer steps"
+        if self.accumulate > 1:
+            line += f" ({self.micro_batches} micro-batches, accumulate_grad_batches={self.accumulate})"
+        return line
+
+
+def _undivided(loss: torch.Tensor, accumulate: int) -> float:
+    """``loss`` times ``accumulate``, rounded back to its dtype: the value ``training_step`` returned (and logged)."""
+    loss = loss.detach()
+    return float(loss) if accumulate == 1 else float((loss.double() * accumulate).to(loss.dtype))
 
 
 def _saved_tensor_profiler_type() -> type | None:
@@ -105,11 +135,7 @@ def memory_report(trainer: Trainer) -> list[Any]:
         parts += _profiler_report(profiler)
     if not monitors and not profilers:
         parts.append("No memkit memory callback ran: add PeakMemoryMonitor or SavedTensorProfiler to the callbacks.")
-    for tracker in (cb for cb in trainer.callbacks if isinstance(cb, LossTracker)):
-        if tracker.first is not None:
-            parts.append(
-                f"train loss: first {tracker.first:.4f} -> last {tracker.last:.4f} over {tracker.steps} steps"
-            )
+    parts += [line for cb in trainer.callbacks if isinstance(cb, LossTracker) and (line := cb.summary())]
     return parts
 
 
@@ -156,7 +182,13 @@ class ConfigError(ValueError):
         model.init_args.n_layers: TinyLM(n_layers=-1): must be an int >= 1
         >>> issubclass(ConfigError, ValueError)
         True
+
+    ``hint=False``: ``memkit`` prints the message alone, without the line pointing to ``--help``.
     """
+
+    def __init__(self, message: str, *, hint: bool = True) -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 # errors raised while building the objects of a configuration (not while running them)
@@ -292,6 +324,7 @@ class MemkitCLI(LightningCLI):
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        check_config_syntax(sys.argv[1:] if args is None else args)
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
@@ -374,6 +407,59 @@ def describe_predictions(predictions: Any) -> str:
             f"{tuple(first.shape)}")
 
 
+def check_config_syntax(args: Any) -> None:
+    """Refuse a ``--config``/``-c`` file of the command line ``args`` that is not YAML: a one-line
+    :class:`ConfigError` naming the file, line and column (the parser's own message names ``"<unicode string>"``).
+    Anything but a list of strings, and config values that are not files, are left to the parser."""
+    if not isinstance(args, (list, tuple)):
+        return
+    args = [str(a) for a in args]
+    given = [value for flag, value in zip(args, args[1:], strict=False) if flag in ("--config", "-c")]
+    given += [a.partition("=")[2] for a in args if a.startswith("--config=")]
+    for path in (p for p in given if os.path.isfile(p)):
+        _check_yaml_file(path)
+
+
+def _check_yaml_file(path: str) -> None:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):  # the parser's error names the file
+        return
+    try:
+        yaml.compose(text, Loader=yaml.SafeLoader)  # syntax only: nothing constructed
+    except yaml.MarkedYAMLError as err:
+        raise ConfigError(describe_yaml_error(path, err), hint=False) from err
+
+
+def describe_yaml_error(path: str, err: Any) -> str:
+    """One line for a ``yaml.MarkedYAMLError`` of the file ``path``: file, line, column, problem and context.
+
+    Example::
+
+        >>> import yaml
+        >>> from lightning_memkit.cli import describe_yaml_error
+        >>> try:
+        ...     yaml.safe_load("a: [1, 2")
+        ... except yaml.MarkedYAMLError as err:
+        ...     print(describe_yaml_error("b.yaml", err))
+        --config b.yaml: invalid YAML at line 1, column 9: ... (while parsing a flow sequence at line 1, column 4)
+    """
+    if err.problem:
+        what = err.problem + (f" ({err.context}{_at(err.context_mark)})" if err.context else "")
+        where = _at(err.problem_mark or err.context_mark)
+    else:
+        what, where = str(err.context), _at(err.context_mark)
+    return f"--config {path}: invalid YAML{where}: {' '.join(what.split())}"
+
+
+def _at(mark: Any) -> str:
+    """`` at line L, column C`` (1-based) of a yaml ``Mark``; empty for ``None``."""
+    return "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+
+
 def parse_subcommand(parser: Any, argv: Sequence[str] | None) -> tuple[Any, list[str]]:
     """``(args, overrides)`` of a ``memkit`` subcommand's ``argparse`` parser: ``-h``/``--help`` prints its help
     and exits; a parse error is a :class:`ConfigError`; unknown ``--key value`` pairs are returned as overrides."""
@@ -390,11 +476,45 @@ def _debug_requested(argv: list[str]) -> bool:
     return "--debug" in argv or os.environ.get("MEMKIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
+SUBCOMMANDS = {
+    "fit": "train, then print the memory report (step peaks, saved tensors, first and last loss)",
+    "validate": "one evaluation epoch over the validation set",
+    "test": "one evaluation epoch over the test set",
+    "predict": "run inference and print the kind and shape of what was predicted",
+    "compare": "train a config without and with its memkit memory features: peak bytes per phase",
+    "estimate": "predict the device memory of a training step, nothing allocated",
+}
+
+
+def usage() -> str:
+    """The help of ``memkit`` itself: every subcommand, one line each."""
+    width = max(map(len, SUBCOMMANDS))
+    return "\n".join([
+        "usage: memkit <subcommand> [--config CONFIG] [--key value ...] [--debug]", "", "subcommands:",
+        *(f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()), "",
+        "`memkit <subcommand> --help` lists a subcommand's options; --debug (or MEMKIT_DEBUG=1) shows the full "
+        "traceback of a configuration error.",
+    ])
+
+
+def _check_subcommand(argv: list[str]) -> None:
+    """Print :func:`usage` for ``memkit`` (exit 2) and ``memkit --help`` (exit 0); refuse an unknown subcommand."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        raise SystemExit(0 if argv else 2)
+    leading_options = argv[0].startswith("-")  # `memkit --config C fit`: Lightning's top-level options
+    if argv[0] in SUBCOMMANDS or (leading_options and any(a in SUBCOMMANDS for a in argv)):
+        return
+    got = "no subcommand given" if leading_options else f"unknown subcommand {argv[0]!r}"
+    raise ConfigError(f"{got}; choose from {', '.join(SUBCOMMANDS)} (memkit --help)", hint=False)
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``memkit`` console script; ``args`` as for ``LightningCLI`` (default: ``sys.argv[1:]``).
 
     ``memkit compare ...`` goes to :func:`lightning_memkit.compare.main`, ``memkit estimate ...`` to
-    :func:`lightning_memkit.estimate_cli.main`, anything else to :class:`MemkitCLI`.
+    :func:`lightning_memkit.estimate_cli.main`, the other :data:`SUBCOMMANDS` to :class:`MemkitCLI`; ``memkit``
+    alone (on stderr, exit 2) and ``memkit --help`` print :func:`usage`, an unknown subcommand is an error.
     A :class:`ConfigError` prints ``memkit: error: ...`` on stderr and exits with status 2, unless ``--debug``
     is given (removed before parsing) or ``MEMKIT_DEBUG=1`` is set: then it propagates with its traceback.
     """
@@ -407,24 +527,30 @@ def main(args: ArgsType = None) -> None:
             sys.argv[1:] = argv
             os.environ["MEMKIT_DEBUG"] = "1"
     try:
-        if argv[:1] == ["compare"]:
-            from lightning_memkit.compare import main as compare_main
-
-            compare_main(argv[1:])
-        elif argv[:1] == ["estimate"]:
-            from lightning_memkit.estimate_cli import main as estimate_main
-
-            estimate_main(argv[1:])
-        else:
-            MemkitCLI(args=None if from_sys else argv)
+        _check_subcommand(argv)
+        _run_subcommand(argv, from_sys)
     except ConfigError as err:
         if debug:
             raise
-        command = " ".join(["memkit", *argv[:1]])
+        command = f"memkit {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "memkit"
         print(f"{command}: error: {err}", file=sys.stderr)
-        print(f"  see `{command} --help` for the accepted options; add --debug for the full traceback",
-              file=sys.stderr)
+        if getattr(err, "hint", True):
+            print(f"  see `{command} --help` for the accepted options; add --debug for the full traceback",
+                  file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _run_subcommand(argv: list[str], from_sys: bool) -> None:
+    if argv[0] == "compare":
+        from lightning_memkit.compare import main as compare_main
+
+        compare_main(argv[1:])
+    elif argv[0] == "estimate":
+        from lightning_memkit.estimate_cli import main as estimate_main
+
+        estimate_main(argv[1:])
+    else:
+        MemkitCLI(args=None if from_sys else argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ TINY = [
     "--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.seq_len", "32",
     "--data.seq_len", "32", "--data.batch_size", "4", "--data.max_bytes", "20000",
 ]
-LOSS_LINE = re.compile(r"train loss: first (\S+) -> last (\S+) over (\d+) steps")
+LOSS_LINE = re.compile(r"train loss: first (\S+) -> last (\S+) over (\d+) optimizer steps")
 
 
 def demo_args(tmp_path):
@@ -66,6 +66,19 @@ def test_demo_config_prints_the_memory_report_and_trains(tmp_path, capsys):
     (metrics,) = tmp_path.rglob("metrics.csv")
     rows = list(csv.DictReader(metrics.open()))
     assert any(r.get("val_loss") for r in rows)
+
+
+def test_the_loss_line_under_gradient_accumulation_is_the_logged_loss(tmp_path, capsys):
+    main(args=[*demo_args(tmp_path), "--trainer.accumulate_grad_batches", "4", "--trainer.log_every_n_steps", "1",
+               "--trainer.limit_val_batches", "0"])
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("train loss:")]
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    rows = [r for r in csv.DictReader(metrics.open()) if r.get("train_loss")]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]  # one row per optimizer step
+    first, last = float(rows[0]["train_loss"]), float(rows[-1]["train_loss"])
+    assert first > 4  # near ln(256): not Lightning's loss / 4
+    assert line == (f"train loss: first {first:.4f} -> last {last:.4f} over 3 optimizer steps "
+                    "(12 micro-batches, accumulate_grad_batches=4)")
 
 
 def test_other_module_by_class_path(tmp_path, capsys):
@@ -215,6 +228,49 @@ def test_compare_goes_to_the_compare_module(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("memkit compare: error: --bad: not an option of memkit compare\n")
     with pytest.raises(ConfigError):
         main(args=["compare", "--bad", "--debug"])
+
+
+def exit_code(args):
+    with pytest.raises(SystemExit) as info:
+        main(args=args)
+    return info.value.code
+
+
+def test_memkit_alone_and_help_list_every_subcommand(capsys):
+    for args, code in (([], 2), (["--help"], 0)):
+        assert exit_code(args) == code
+        captured = capsys.readouterr()
+        text = captured.err if code else captured.out
+        listed = re.findall(r"^  (\w+)  +\S", text, re.M)
+        assert listed == ["fit", "validate", "test", "predict", "compare", "estimate"], text
+    for subcommand, option in (("fit", "--trainer.max_steps"), ("compare", "--steps")):  # as before
+        assert exit_code([subcommand, "--help"]) == 0
+        assert option in capsys.readouterr().out
+
+
+def test_an_unknown_subcommand_is_one_line_listing_them(capsys):
+    assert exit_code(["fitt", "--config", str(CONFIG)]) == 2
+    assert capsys.readouterr().err == ("memkit: error: unknown subcommand 'fitt'; choose from fit, validate, test, "
+                                       "predict, compare, estimate (memkit --help)\n")
+
+
+UNCLOSED = "trainer:\n  max_steps: 2\n  callbacks: [a, b\nmodel:\n  class_path: x\n"
+UNCLOSED_ERROR = ("line 4, column 6: expected ',' or ']', but got ':' (while parsing a flow sequence at line 3, "
+                  "column 14)")
+TAB = "trainer:\n\tmax_steps: 2\n"
+TAB_ERROR = "line 2, column 1: found character '\\t' that cannot start any token (while scanning for the next token)"
+
+
+@pytest.mark.parametrize("subcommand, text, error", [
+    ("fit", UNCLOSED, UNCLOSED_ERROR), ("validate", TAB, TAB_ERROR), ("compare", UNCLOSED, UNCLOSED_ERROR),
+    ("estimate", TAB, TAB_ERROR),
+], ids=["fit-bracket", "validate-tab", "compare-bracket", "estimate-tab"])
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_line(tmp_path, capsys, subcommand, text, error):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert exit_code([subcommand, "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"memkit {subcommand}: error: --config {path}: invalid YAML at {error}\n"
 
 
 def memkit(*args, cwd=None, timeout=280):

@@ -31,12 +31,12 @@ class MXFP4CheckpointLoader(Callback):
     A module that is on the meta device when the run is set up (built under ``torch.device("meta")`` in
     ``__init__``) is loaded in ``setup`` instead, before the strategy moves it: every tensor is created on
     the strategy's root device, and its non-persistent buffers are recomputed with
-    :func:`~lightning_memkit.hf.meta_init.init_hf_buffers` when it holds a transformers model (other modules
-    with meta non-persistent buffers are refused by name). That load also runs when resuming, so the
-    checkpoint's weights have real tensors to go into. A model built on meta in ``configure_model`` cannot
-    wait for a callback (the strategy would move meta tensors): call ``load_mxfp4_into`` at the end of
-    ``configure_model`` there. The host RSS peak and LivePeak bytes of the load are logged and kept in
-    ``result.memory``.
+    :func:`~lightning_memkit.hf.meta_init.init_hf_buffers` when it holds a transformers model
+    (``load_mxfp4_into``'s default; other modules with meta non-persistent buffers are refused by name). That
+    load also runs when resuming, so the checkpoint's weights have real tensors to go into. A model built on
+    meta in ``configure_model`` cannot wait for a callback (the strategy would move meta tensors): call
+    ``load_mxfp4_into`` at the end of ``configure_model`` there. The host RSS peak and LivePeak bytes of the
+    load are logged and kept in ``result.memory``.
 
     Args:
         path: a ``.safetensors`` file or a directory of shards (with or without an index json).
@@ -116,17 +116,13 @@ class MXFP4CheckpointLoader(Callback):
         self._run_load(trainer, self._target(pl_module), device=None)
 
     def _run_load(self, trainer: pl.Trainer, target, device) -> None:
-        from lightning_memkit.hf.meta_init import holds_hf_model, init_hf_buffers
-
         self._done = True
         if trainer.ckpt_path:
             log.info("MXFP4CheckpointLoader: %s is on the meta device; loading %s to create its tensors before "
                      "the weights of %s replace them", type(target).__name__, self.path, trainer.ckpt_path)
         self.result = load_mxfp4_into(target, self.path, strict=self.strict, rows_per_chunk=self.rows_per_chunk,
                                       progress=self.progress and progress_enabled(trainer, require_terminal=False),
-                                      device=device,
-                                      init_buffers=init_hf_buffers if holds_hf_model(target) else None,
-                                      measure=self.measure)
+                                      device=device, measure=self.measure)
         if trainer.is_global_zero and self.result.memory is not None:
             log.info("MXFP4CheckpointLoader: %s: %s", self.path, self.result.memory)
 

@@ -9,7 +9,7 @@ from importlib import import_module
 
 from lightning_memkit.hf.fused_loss import fused_linear_cross_entropy
 from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
-from lightning_memkit.hf.meta_init import holds_hf_model, init_hf_buffers
+from lightning_memkit.hf.meta_init import default_buffer_init, holds_hf_model, init_hf_buffers
 from lightning_memkit.hf.qlora import (
     QLoRAExperts,
     dequantized_experts,
@@ -28,6 +28,7 @@ __all__ = [
     "decoder_layers",
     "fused_linear_cross_entropy",
     "kv_cache_off",
+    "default_buffer_init",
     "holds_hf_model",
     "init_hf_buffers",
     "QLoRAExperts",

@@ -9,15 +9,15 @@ does the same for the buffers it is given: every other parameter and buffer of t
 flags are put back afterwards. Python attributes computed in ``__init__`` (``attention_scaling``) do not
 depend on the device and are already right.
 
-Use it as the ``init_buffers`` hook of :func:`lightning_memkit.loading.load_mxfp4_into`::
+:func:`lightning_memkit.loading.load_mxfp4_into` uses it by default for a module that is or holds a
+transformers model (:func:`default_buffer_init`, also the rule of ``MXFP4CheckpointLoader``)::
 
     import torch, transformers
-    from lightning_memkit.hf.meta_init import init_hf_buffers
     from lightning_memkit.loading import load_mxfp4_into
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    load_mxfp4_into(model, "gpt-oss-20b/", device="cuda", init_buffers=init_hf_buffers)
+    load_mxfp4_into(model, "gpt-oss-20b/", device="cuda")   # init_buffers=init_hf_buffers, implied
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["init_hf_buffers", "holds_hf_model"]
+__all__ = ["init_hf_buffers", "holds_hf_model", "default_buffer_init"]
 
 _FLAG = "_is_hf_initialized"
 _UNSET = object()
@@ -41,6 +41,12 @@ def holds_hf_model(module: nn.Module) -> bool:
     modeling = sys.modules.get("transformers.modeling_utils")
     base = getattr(modeling, "PreTrainedModel", None)
     return base is not None and any(isinstance(m, base) for m in module.modules())
+
+
+def default_buffer_init(module: nn.Module) -> Callable[[nn.Module, Sequence[str]], None] | None:
+    """The ``init_buffers`` of ``load_mxfp4_into`` when none is given: :func:`init_hf_buffers` if ``module`` is or
+    holds a transformers model, else ``None`` (its meta non-persistent buffers are then refused by name)."""
+    return init_hf_buffers if holds_hf_model(module) else None
 
 
 def _owner(module: nn.Module, path: str, name: str):

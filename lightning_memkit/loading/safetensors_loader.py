@@ -11,8 +11,8 @@ exact tensor bytes.
 
 A module built on the meta device comes out with every parameter and buffer real: checkpoint entries are
 created on ``device``, and non-persistent buffers (in no checkpoint) are recomputed by ``init_buffers``
-(for transformers models :func:`lightning_memkit.hf.meta_init.init_hf_buffers`). Anything that would stay
-on meta is an error.
+(by default, for a module that is or holds a transformers model,
+:func:`lightning_memkit.hf.meta_init.init_hf_buffers`). Anything that would stay on meta is an error.
 
 Nothing is written before the whole manifest checks out: every file header is read and checked as
 safetensors checks it (byte ranges against the file size, so empty and truncated files; tensors back to
@@ -371,8 +371,8 @@ def _leftover_errors(module: nn.Module, result: LoadResult, targets: dict[str, t
         errors.append(f"{_listed(skipped)}: on the meta device with no checkpoint entry, so it would stay there")
     if buffers and init_buffers is None:
         errors.append(f"{_listed(buffers)}: non-persistent buffer(s) on the meta device, which no checkpoint holds; "
-                      "pass init_buffers=... to recompute them (transformers models: "
-                      "lightning_memkit.hf.meta_init.init_hf_buffers)")
+                      "pass init_buffers=fn(module, names) to recompute them (a transformers model gets "
+                      "lightning_memkit.hf.meta_init.init_hf_buffers by default)")
     return buffers, errors
 
 
@@ -465,10 +465,11 @@ def load_mxfp4_into(
         progress: log one info line per tensor written (:class:`~lightning_memkit.progress.WorkProgress`);
             each tensor is also logged at debug level.
         init_buffers: ``init_buffers(module, names)`` fills the non-persistent buffers ``names`` (in no
-            checkpoint) that were on meta, after they were allocated on ``device``; required when there are
-            any. It runs before any checkpoint entry is written; if it raises, or leaves one of them unwritten,
-            they go back to meta and nothing is loaded. For transformers models:
-            :func:`lightning_memkit.hf.meta_init.init_hf_buffers`.
+            checkpoint) that were on meta, after they were allocated on ``device``. It runs before any
+            checkpoint entry is written; if it raises, or leaves one of them unwritten, they go back to meta and
+            nothing is loaded. ``None`` (default): :func:`lightning_memkit.hf.meta_init.init_hf_buffers` when
+            ``module`` is or holds a transformers model; any other module with such buffers is refused, naming
+            them, until it is given.
         measure: record the host RSS peak and the LivePeak tensor bytes of the call in ``result.memory``.
 
     The peak during the load is what the module holds at the end plus the largest single entry being
@@ -477,6 +478,10 @@ def load_mxfp4_into(
     tensor would stay on the meta device.
     """
     device = _check_args(module, path, strict, device, rows_per_chunk, progress, init_buffers, measure)
+    if init_buffers is None:
+        from lightning_memkit.hf.meta_init import default_buffer_init
+
+        init_buffers = default_buffer_init(module)
     started = time.perf_counter()
     live, rss = (LivePeak(), HostRSS()) if measure else (contextlib.nullcontext(), contextlib.nullcontext())
     with live, rss:

@@ -26,4 +26,4 @@ def test_single_process_hf_config_trains(config, tmp_path, capsys):
     main(args=["fit", "--config", str(config), "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path),
                "--trainer.enable_progress_bar", "false", "--trainer.logger", "false"])
     out = capsys.readouterr().out
-    assert "memkit memory report" in out and "over 4 steps" in out
+    assert "memkit memory report" in out and "over 4 optimizer steps" in out

@@ -84,7 +84,8 @@ def test_meta_build_loads_to_the_same_logits_as_transformers(checkpoint, referen
 
 def test_rotary_buffers_equal_a_normally_built_model(checkpoint):
     model = meta_model()
-    load_mxfp4_into(model, checkpoint, device="cpu", init_buffers=init_hf_buffers)
+    result = load_mxfp4_into(model, checkpoint, device="cpu")  # a transformers model: init_hf_buffers by default
+    assert result.initialized == ROPE
     normal = transformers.AutoModelForCausalLM.from_config(tiny_hf_config("gpt_oss"), dtype=torch.bfloat16)
     ours, theirs = model.model.rotary_emb, normal.model.rotary_emb
     assert ours.rope_type == theirs.rope_type == "yarn"
@@ -109,13 +110,14 @@ def test_plain_float32_constructor_matches_transformers_in_float32(checkpoint, r
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_without_init_buffers_the_rotary_buffer_is_named_and_nothing_loads(checkpoint):
-    model = meta_model()
-    with pytest.raises(ValueError, match=r"model\.rotary_emb\.inv_freq, model\.rotary_emb\.original_inv_freq: "
-                                         r"non-persistent buffer\(s\) on the meta device.*init_hf_buffers") as info:
-        load_mxfp4_into(model, checkpoint, device="cpu")
+def test_without_init_buffers_a_module_that_is_no_transformers_model_is_refused_by_name(checkpoint):
+    module = torch.nn.Module()
+    module.rope = meta_model().model.rotary_emb  # a transformers module, but no PreTrainedModel holds it
+    with pytest.raises(ValueError, match=r"rope\.inv_freq, rope\.original_inv_freq: non-persistent buffer\(s\) on the "
+                                         r"meta device, which no checkpoint holds; pass init_buffers=") as info:
+        load_mxfp4_into(module, checkpoint, device="cpu", strict=False)
     assert "nothing was loaded" in str(info.value)
-    assert all(t.is_meta for _, t in every_tensor(model))
+    assert all(t.is_meta for _, t in every_tensor(module))
 
 
 def test_leftover_meta_tensor_is_named_before_anything_loads(tmp_path):
