@@ -26,13 +26,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_memkit.estimate_inputs import (
+    InputWarning,
+    check_pipeline,
+    check_pipeline_family,
+    check_positions,
+    check_tokens,
+    checked,
+    read_hf_config,
+)
 from lightning_memkit.memory.estimate import (
     CHECKPOINT_MODES,
     OPTIMIZERS,
@@ -41,34 +50,12 @@ from lightning_memkit.memory.estimate import (
     MemoryEstimate,
     estimate_training_memory,
 )
-from lightning_memkit.validation import check_int
+from lightning_memkit.validation import check_int, check_number
 
 __all__ = ["PipelineEstimate", "estimate_from_hf_config", "estimate_from_config", "estimate_hf_pipeline", "main"]
 
-_IGNORED_KEYS = ("_comment", "quantization_config", "torch_dtype", "dtype", "transformers_version")
 DEFAULT_LORA_RANK = 16
 PLUGINS = tuple(f"{mode}-lora" for mode in ("nf4", "nf4-dq", "fp4", "fp4-dq", "int8"))
-
-
-def _hf_config(path: Path) -> Any:
-    """The transformers config of ``path`` (a ``config.json``), without its quantization and dtype entries."""
-    import transformers
-
-    from lightning_memkit.cli import ConfigError
-
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"--hf-config: cannot read {path}: {err}") from err
-    model_type = values.pop("model_type", None)
-    if not model_type:
-        raise ConfigError(f"--hf-config: {path} has no model_type")
-    for key in _IGNORED_KEYS:
-        values.pop(key, None)
-    try:
-        return transformers.AutoConfig.for_model(model_type, **values)
-    except (ValueError, KeyError) as err:
-        raise ConfigError(f"--hf-config: {path}: {err}") from err
 
 
 def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: int = 1, precision: str = "32-true",
@@ -88,14 +75,19 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
     dtype unless ``plugin`` quantizes them. ``accumulate``: the batch is one micro-batch of several
     (``accumulate_grad_batches > 1``): the gradients stay alive through the step. ``device``: ``"cuda"`` adds
     the CUDA-only terms (``estimate_training_memory``'s ``target``), ``"cpu"`` counts the step as it runs here.
+    The token batch is fake (no memory). Every input is checked before any work
+    (:mod:`lightning_memkit.estimate_inputs`): a bad one raises ``ConfigError`` (a ``ValueError``) naming it;
+    sizes left to the config class's defaults and unknown keys warn (``InputWarning``).
     """
-    model, batch = _hf_factories(Path(path), seq_len, batch_size)
+    check_choices(precision=precision, optimizer=optimizer, device=device)
     mode = checkpoint_mode(activation_checkpointing)
     qlora = qlora_plugin(plugin, precision, lora_rank)
+    model, batch, _ = _hf_factories(Path(path), seq_len, batch_size)
     return estimate_training_memory(model, batch, optimizer=optimizer, precision="32-true" if qlora else precision,
                                     checkpoint="auto" if mode else None, checkpoint_mode=mode or "full",
                                     patches=_hf_patches(bool(mode), fused_loss), plugin=qlora,
-                                    zero_grad="accumulate" if accumulate else "after_forward", target=device)
+                                    zero_grad="accumulate" if accumulate else "after_forward", target=device,
+                                    fake_batch=True)
 
 
 def checkpoint_mode(activation_checkpointing: bool | str | None) -> str | None:
@@ -138,16 +130,14 @@ def qlora_plugin(name: str | None, precision: str, lora_rank: int = DEFAULT_LORA
         raise ConfigError(f"--plugin {name} with --precision {precision}: {err}") from err
 
 
-def _hf_factories(path: Path, seq_len: int, batch_size: int) -> tuple[Any, Any]:
-    """``(model_factory, batch_factory)`` of the causal LM in ``path``: random ``input_ids`` and ``labels``."""
-    from lightning_memkit.cli import ConfigError
-
-    if not path.is_file():
-        raise ConfigError(f"--hf-config: no such file: {path}")
-    seq_len = check_int(seq_len, "seq_len", minimum=1, owner="memkit estimate")
-    batch_size = check_int(batch_size, "batch_size", minimum=1, owner="memkit estimate")
-    config = _hf_config(path)
-    vocab = int(config.vocab_size)
+def _hf_factories(path: Path, seq_len: int, batch_size: int, sequences: int | None = None) -> tuple[Any, Any, Any]:
+    """``(model_factory, batch_factory)`` of the causal LM in ``path``: random ``input_ids`` and ``labels`` of
+    ``sequences`` (default ``batch_size``) rows, made under the estimate's fake mode (no memory). Every input is
+    checked first (:mod:`lightning_memkit.estimate_inputs`); returns the config too."""
+    seq_len, batch_size = check_tokens(seq_len, batch_size)
+    config = read_hf_config(path)
+    check_positions(seq_len, config, path)
+    vocab, rows = config.vocab_size, sequences or batch_size
 
     def model() -> torch.nn.Module:
         import transformers
@@ -155,10 +145,10 @@ def _hf_factories(path: Path, seq_len: int, batch_size: int) -> tuple[Any, Any]:
         return transformers.AutoModelForCausalLM.from_config(config)
 
     def batch() -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, vocab, (batch_size, seq_len))
-        return {"input_ids": ids, "labels": torch.randint(0, vocab, (batch_size, seq_len))}
+        ids = torch.randint(0, vocab, (rows, seq_len))
+        return {"input_ids": ids, "labels": torch.randint(0, vocab, (rows, seq_len))}
 
-    return model, batch
+    return model, batch, config
 
 
 @dataclass
@@ -195,13 +185,14 @@ class PipelineEstimate:
 
 def estimate_hf_pipeline(path: str | Path, stages: int, microbatches: int | None = None, seq_len: int = 2048,
                          batch_size: int = 1, precision: str = "32-true", optimizer: str = "adamw",
-                         activation_checkpointing: bool = False, fused_loss: bool = False) -> PipelineEstimate:
+                         activation_checkpointing: bool | str = False, fused_loss: bool = False) -> PipelineEstimate:
     """Per-rank peaks of the causal LM of ``path`` under ``memkit_pipeline`` (``stages`` ranks, 1F1B).
 
     The strategy's own planning on fake tensors: :func:`~lightning_memkit.hf.pipeline_stages.causal_lm_stages`
     cuts the model, :func:`~lightning_memkit.pipeline.runtime.measure_pipeline_costs` measures each layer on one
-    microbatch (``batch_size / microbatches`` sequences) and
+    microbatch (``batch_size / microbatches`` sequences; ``microbatches`` defaults to ``stages``) and
     :func:`~lightning_memkit.pipeline.partition_layers` picks the split and predicts each rank's peak.
+    A bad input (a family the pipeline does not split included) raises ``ConfigError`` before any work.
     """
     import time
 
@@ -213,26 +204,42 @@ def estimate_hf_pipeline(path: str | Path, stages: int, microbatches: int | None
     from lightning_memkit.pipeline import partition_layers
     from lightning_memkit.pipeline.runtime import measure_pipeline_costs
 
-    microbatches = microbatches or stages
-    model, batch = _hf_factories(Path(path), seq_len, batch_size // microbatches or 1)
+    model, batch, microbatches, mode = _pipeline_inputs(path, stages, microbatches, seq_len, batch_size, precision,
+                                                        optimizer, activation_checkpointing)
     start = time.perf_counter()
     with fake_tensors(), contextlib.ExitStack() as stack:
         net = build_model(model, precision)
-        for patch in _hf_patches(activation_checkpointing, False):
+        for patch in _hf_patches(bool(mode), False):
             stack.enter_context(patch(net))
-        if activation_checkpointing:
+        if mode:
             from lightning_memkit.memory import checkpoint_modules, repeated_blocks
 
-            stack.enter_context(checkpoint_modules(repeated_blocks(net)))
+            stack.enter_context(checkpoint_modules(repeated_blocks(net), mode=mode))
+        tokens = batch()  # fake input_ids and labels: no memory for them
         with unset_fake_temporarily():  # the split wraps the fake modules; its self-checks run on real numbers
             split = causal_lm_stages(net, fused_loss=fused_loss)
-            inputs, target = split.inputs(batch())
+            # the padding mask HF reads (all ones: the causal mask is skipped as in a real run): real, one microbatch
+            mask = torch.ones(tokens["input_ids"].shape, dtype=torch.int64)
+        inputs, target = split.inputs({**tokens, "attention_mask": mask})
         opt = resolve_optimizer(optimizer, None)[0](net)
         with torch.random.fork_rng(), default_dtype(precision_dtype(precision)):
             costs = measure_pipeline_costs(list(split.layers), inputs, target, loss_fn=split.loss, optimizer=opt)
         parameters = sum(p.numel() for p in net.parameters())
     partition = partition_layers(costs, stages, schedule="1f1b", microbatches=microbatches)
     return PipelineEstimate(partition, parameters, time.perf_counter() - start)
+
+
+def _pipeline_inputs(path: str | Path, stages: int, microbatches: int | None, seq_len: int, batch_size: int,
+                     precision: str, optimizer: str, activation_checkpointing: bool | str) -> tuple[Any, ...]:
+    """``(model_factory, batch_factory, microbatches, checkpoint mode)`` of :func:`estimate_hf_pipeline`, every
+    input checked (the family among those ``memkit_pipeline`` splits)."""
+    seq_len, batch_size = check_tokens(seq_len, batch_size)
+    microbatches = check_pipeline(stages, microbatches, batch_size)
+    check_choices(precision=precision, optimizer=optimizer)
+    mode = checkpoint_mode(activation_checkpointing)
+    model, batch, config = _hf_factories(Path(path), seq_len, batch_size, sequences=batch_size // microbatches)
+    check_pipeline_family(config, path)
+    return model, batch, microbatches, mode
 
 
 def _hf_patches(activation_checkpointing: bool, fused_loss: bool) -> list[Any]:
@@ -390,6 +397,15 @@ _HF_DEFAULTS = {"seq_len": 2048, "batch_size": 1, "precision": "32-true", "optim
                 "lora_rank": DEFAULT_LORA_RANK, "device": "cuda"}
 
 
+def _integer(text: str) -> int | str:
+    """``argparse`` type of the integer options: digits as an int, anything else (``1e10``) as given, for the
+    option's own check to refuse in one line naming it and what it allows."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="memkit estimate", exit_on_error=False, allow_abbrev=False,
@@ -399,8 +415,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-c", "--config", default=None, help="a memkit / LightningCLI YAML config")
     p.add_argument("--hf-config", default=None, help="a Hugging Face config.json of a causal LM")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default 1)")
+    p.add_argument("--seq-len", type=_integer, default=None, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch-size", type=_integer, default=None, help="sequences per batch (default 1)")
     p.add_argument("--precision", default=None, help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
     p.add_argument("--optimizer", default=None, help="adamw (default) or sgd (momentum 0.9)")
     p.add_argument("--activation-checkpointing", nargs="?", const="full", default=None,
@@ -410,20 +426,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="fused linear cross-entropy: no (B, T, V) logits")
     p.add_argument("--plugin", default=None, help=f"quantized model with LoRA adapters (QLoRA, "
                    f"NoSaveBitsandbytesPrecision in --precision's dtype): one of {', '.join(PLUGINS)}")
-    p.add_argument("--lora-rank", type=int, default=None, help=f"LoRA rank with --plugin (default {DEFAULT_LORA_RANK})")
-    p.add_argument("--device", default=None, help="where the step will run: cuda (default: adds what CUDA "
-                   "kernels allocate beyond the CPU path, e.g. AdamW's foreach temporaries) or cpu")
+    p.add_argument("--lora-rank", type=_integer, default=None,
+                   help=f"LoRA rank with --plugin (default {DEFAULT_LORA_RANK})")
+    p.add_argument("--device", default=None, help="where the step will run: cuda (default: adds optimizer.step()'s "
+                   "foreach temporaries; kernel workspaces and allocator rounding are not counted) or cpu")
     p.add_argument("--budget", default=None, help="device memory available, e.g. 24GiB or 80GB: search the "
                    "feature plans that fit and print the cheapest as LightningCLI YAML fragments")
     p.add_argument("--margin", type=float, default=None,
                    help="with --budget: a plan fits when its peak plus this fraction is within the budget "
                    "(default 0.05, the estimate's accuracy goal)")
-    p.add_argument("--max-plans", type=int, default=None, help="with --budget: plans to print (default 3)")
-    p.add_argument("--max-estimates", type=int, default=None,
+    p.add_argument("--max-plans", type=_integer, default=None, help="with --budget: plans to print (default 3)")
+    p.add_argument("--max-estimates", type=_integer, default=None,
                    help="with --budget: stop after this many estimates (default 48; each takes one estimate's time)")
-    p.add_argument("--pipeline", type=int, default=None,
+    p.add_argument("--pipeline", type=_integer, default=None,
                    help="ranks of a memkit_pipeline (1F1B): per-rank peaks of the split it would choose")
-    p.add_argument("--microbatches", type=int, default=None,
+    p.add_argument("--microbatches", type=_integer, default=None,
                    help="microbatches per step with --pipeline (default 4, the strategy's; divides --batch-size)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON instead of the table")
     return p
@@ -442,15 +459,8 @@ def _check(args: argparse.Namespace) -> None:
     for key, default in _HF_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, default)
-    if args.precision not in PRECISIONS:
-        raise ConfigError(f"--precision: {args.precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
-    if args.device not in TARGETS:
-        raise ConfigError(f"--device: {args.device!r} is not supported; allowed: {', '.join(TARGETS)}")
-    if args.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer: {args.optimizer!r} is not supported; allowed: {', '.join(OPTIMIZERS)}")
-    for key in ("seq_len", "batch_size"):
-        if getattr(args, key) < 1:
-            raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1, got {getattr(args, key)}")
+    check_choices(precision=args.precision, device=args.device, optimizer=args.optimizer)
+    check_tokens(args.seq_len, args.batch_size)
     if args.plugin is not None:
         qlora_plugin(args.plugin, args.precision, args.lora_rank)  # raises naming what is allowed
     elif args.config is None and args.lora_rank != DEFAULT_LORA_RANK:
@@ -458,6 +468,16 @@ def _check(args: argparse.Namespace) -> None:
     checkpoint_mode(args.activation_checkpointing)
     _check_budget(args)
     _check_pipeline(args)
+
+
+def check_choices(**values: Any) -> None:
+    """``precision=``, ``optimizer=``, ``device=``: each one that ``memkit estimate`` estimates, or ``ConfigError``."""
+    from lightning_memkit.cli import ConfigError
+
+    allowed = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "device": TARGETS}
+    for key, value in values.items():
+        if value not in allowed[key]:
+            raise ConfigError(f"--{key}: {value!r} is not supported; allowed: {', '.join(allowed[key])}")
 
 
 def _check_budget(args: argparse.Namespace) -> None:
@@ -473,16 +493,12 @@ def _check_budget(args: argparse.Namespace) -> None:
         raise ConfigError("--budget and --pipeline: the budget search tries pipeline stages itself; leave out "
                           "--pipeline")
     args.budget = parse_bytes(args.budget)
-    args.margin = 0.05 if args.margin is None else args.margin
-    if not 0 <= args.margin < 1:
-        raise ConfigError(f"--margin: must be in [0, 1), got {args.margin}")
-    args.max_plans = 3 if args.max_plans is None else args.max_plans
-    if args.max_plans < 1:
-        raise ConfigError(f"--max-plans: must be >= 1, got {args.max_plans}")
-    args.max_estimates = 48 if args.max_estimates is None else args.max_estimates
-    if args.max_estimates < 2:
-        raise ConfigError(f"--max-estimates: must be >= 2 (the run as given and the strongest plan), "
-                          f"got {args.max_estimates}")
+    args.margin = checked(check_number, 0.05 if args.margin is None else args.margin, "--margin", minimum=0,
+                          maximum=1, max_inclusive=False)
+    args.max_plans = checked(check_int, 3 if args.max_plans is None else args.max_plans, "--max-plans", minimum=1)
+    # at least the run as given and the strongest plan
+    args.max_estimates = checked(check_int, 48 if args.max_estimates is None else args.max_estimates,
+                                 "--max-estimates", minimum=2)
 
 
 def _check_pipeline(args: argparse.Namespace) -> None:
@@ -496,12 +512,8 @@ def _check_pipeline(args: argparse.Namespace) -> None:
         raise ConfigError("--pipeline: only with --hf-config (a --config sets its strategy itself)")
     if args.plugin is not None:
         raise ConfigError("--pipeline with --plugin: quantized pipeline stages are not estimated; leave one out")
-    if args.pipeline < 2:
-        raise ConfigError(f"--pipeline: must be >= 2 ranks, got {args.pipeline}")
-    args.microbatches = 4 if args.microbatches is None else args.microbatches
-    if args.microbatches < 1 or args.batch_size % args.microbatches:
-        raise ConfigError(f"--microbatches: must be >= 1 and divide --batch-size {args.batch_size}, "
-                          f"got {args.microbatches}")
+    args.microbatches = check_pipeline(args.pipeline, 4 if args.microbatches is None else args.microbatches,
+                                       args.batch_size)
 
 
 def main(argv: Sequence[str] | None = None) -> Any:
@@ -516,17 +528,10 @@ def main(argv: Sequence[str] | None = None) -> Any:
     _check(args)
     if args.hf_config is not None and overrides:
         raise ConfigError(f"unrecognized arguments: {' '.join(overrides)}")
-    if args.budget is not None:
-        return _search(args, overrides)
-    if args.hf_config is not None:
-        run = (dict(stages=args.pipeline, microbatches=args.microbatches) if args.pipeline else
-               dict(plugin=args.plugin, lora_rank=args.lora_rank, device=args.device))
-        fn = estimate_hf_pipeline if args.pipeline else estimate_from_hf_config
-        est = fn(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
-                 optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
-                 fused_loss=args.fused_loss, **run)
-    else:
-        est = estimate_from_config(args.config, overrides)
+    with _input_warnings_on_stderr():
+        if args.budget is not None:
+            return _search(args, overrides)
+        est = _estimate(args, overrides)
     if args.json:
         print(est.to_json())
         return est
@@ -535,6 +540,40 @@ def main(argv: Sequence[str] | None = None) -> Any:
         console.print(est.table())
     console.print(est.notes(), markup=False, highlight=False, soft_wrap=True)
     return est
+
+
+def _estimate(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
+    """The estimate the checked ``args`` ask for: of an HF config (pipeline stages or one device) or a config."""
+    if args.config is not None:
+        return estimate_from_config(args.config, overrides)
+    run = (dict(stages=args.pipeline, microbatches=args.microbatches) if args.pipeline else
+           dict(plugin=args.plugin, lora_rank=args.lora_rank, device=args.device))
+    fn = estimate_hf_pipeline if args.pipeline else estimate_from_hf_config
+    return fn(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
+              optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
+              fused_loss=args.fused_loss, **run)
+
+
+@contextlib.contextmanager
+def _input_warnings_on_stderr() -> Iterator[None]:
+    """Each :class:`~lightning_memkit.estimate_inputs.InputWarning` once, as a ``memkit estimate: ...`` line on
+    stderr (as the ``--budget`` progress lines); other warnings as Python shows them."""
+    import sys
+    import warnings
+
+    shown, printed = warnings.showwarning, set()
+
+    def show(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if not issubclass(category, InputWarning):
+            shown(message, category, filename, lineno, file, line)
+        elif str(message) not in printed:  # once, though a --budget search reads the config for each estimate
+            printed.add(str(message))
+            print(f"memkit estimate: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", InputWarning)
+        warnings.showwarning = show
+        yield
 
 
 def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:

@@ -205,10 +205,11 @@ class HFRun:
                  optimizer: str = "adamw", activation_checkpointing: bool | str = False, fused_loss: bool = False,
                  plugin: str | None = None, lora_rank: int = 16, device: str = "cuda"):
         from lightning_memkit.estimate_cli import checkpoint_mode
-        from lightning_memkit.validation import check_int
+        from lightning_memkit.estimate_inputs import check_positions, check_tokens, read_hf_config
 
-        check_int(seq_len, "seq_len", minimum=1, owner="HFRun")
-        check_int(batch_size, "batch_size", minimum=1, owner="HFRun")
+        seq_len, batch_size = check_tokens(seq_len, batch_size)
+        self.config = read_hf_config(path)  # checked before the first estimate
+        check_positions(seq_len, self.config, path)
         self.path, self.seq_len, self.optimizer, self.lora_rank = Path(path), seq_len, optimizer, lora_rank
         self.device = device
         self.batch_size = batch_size
@@ -234,11 +235,12 @@ class HFRun:
                                        device=self.device, **kwargs)
 
     def pipelines(self) -> Iterator[Plan]:
-        """Pipeline plans with every single-device feature on (no quantization: not estimated with stages)."""
-        if self.base.plugin is None:
-            from lightning_memkit.estimate_cli import _hf_config
+        """Pipeline plans with every single-device feature on (no quantization: not estimated with stages), for the
+        families ``memkit_pipeline`` splits."""
+        from lightning_memkit.hf.pipeline_stages import SUPPORTED_MODEL_TYPES
 
-            layers = int(getattr(_hf_config(self.path), "num_hidden_layers", 0) or 0)
+        if self.base.plugin is None and self.config.model_type in SUPPORTED_MODEL_TYPES:
+            layers = int(getattr(self.config, "num_hidden_layers", 0) or 0)
             for stages in [s for s in (2, 4, 8) if s <= layers]:
                 yield Plan(_stronger_precisions(self.base.precision)[-1], None, "full", True, self.batch_size, stages)
 

@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["ArgumentTypeError", "check_int", "check_number", "check_bool", "check_choice"]
+__all__ = ["ArgumentTypeError", "check_int", "check_number", "check_bool", "check_choice", "check_multiple"]
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -122,4 +122,19 @@ def check_choice(value: Any, name: str, choices: Iterable[Any], *, owner: str | 
     allowed = list(choices)
     if value not in allowed:
         raise ValueError(f"{_label(name, value, owner)}: must be one of {', '.join(map(repr, allowed))}")
+    return value
+
+
+def check_multiple(value: int, name: str, divisor: int, divisor_name: str, *, why: str | None = None,
+                   owner: str | None = None) -> int:
+    """``value`` if ``divisor`` divides it (both ints >= 1, checked before); ``why`` says what needs it::
+
+        >>> check_multiple(12, "batch_size", 5, "microbatches")
+        Traceback (most recent call last):
+        ...
+        ValueError: batch_size=12: must be a multiple of microbatches=5
+    """
+    if value % divisor:
+        raise ValueError(f"{_label(name, value, owner)}: must be a multiple of {divisor_name}={divisor!r}"
+                         + (f" ({why})" if why else ""))
     return value

@@ -27,7 +27,9 @@ def tiny_moe_json(tmp_path: Path) -> Path:
 def test_hf_config_json_and_table(tiny_moe_json: Path, capsys: pytest.CaptureFixture) -> None:
     args = ["estimate", "--hf-config", str(tiny_moe_json), "--seq-len", "16", "--batch-size", "2", "--fused-loss"]
     main([*args, "--json"])
-    data = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert err == ""  # a complete config: no warning
     assert data["peak_bytes"] == max(p["peak_bytes"] for p in data["phases"][1:]) > 0
     assert 0 <= data["phases"][0]["weights"] - 4 * data["parameters"] < 1024  # float32 weights + rotary buffers
     assert [p["phase"] for p in data["phases"]] == ["load", "forward", "backward", "optimizer step"]
@@ -91,15 +93,15 @@ def test_pipeline_matches_the_strategy_planning_on_real_tensors(tmp_path: Path) 
     (["--hf-config", "x.json", "--budget", "lots"], "--budget"),
     (["--hf-config", "x.json", "--budget", "24XB"], "--budget"),
     (["--hf-config", "x.json", "--margin", "0.1"], "--margin: only with --budget"),
-    (["--hf-config", "x.json", "--budget", "1GiB", "--margin", "1.5"], "--margin: must be in"),
+    (["--hf-config", "x.json", "--budget", "1GiB", "--margin", "1.5"], "--margin=1.5: must be a finite number >= 0"),
     (["--hf-config", "x.json", "--budget", "1GiB", "--max-plans", "0"], "--max-plans"),
     (["--hf-config", "x.json", "--budget", "1GiB", "--pipeline", "2"], "--budget and --pipeline"),
-    (["--hf-config", "x.json", "--budget", "1GiB", "--max-estimates", "1"], "--max-estimates: must be >= 2"),
+    (["--hf-config", "x.json", "--budget", "1GiB", "--max-estimates", "1"], "--max-estimates=1: must be an int >= 2"),
     (["--hf-config", "x.json", "--max-estimates", "5"], "--max-estimates: only with --budget"),
     (["--hf-config", "x.json", "--plugin", "nf4-lora", "--pipeline", "2"], "--pipeline with --plugin"),
-    (["--hf-config", "x.json", "--pipeline", "1"], "--pipeline: must be >= 2"),
+    (["--hf-config", "x.json", "--pipeline", "1"], "--pipeline=1: must be an int >= 2"),
     (["--hf-config", "x.json", "--microbatches", "2"], "--microbatches: only with --pipeline"),
-    (["--hf-config", "x.json", "--pipeline", "2", "--batch-size", "3"], "--microbatches: must be >= 1 and divide"),
+    (["--hf-config", "x.json", "--pipeline", "2", "--batch-size", "3"], "--batch-size=3: must be a multiple of"),
     (["--config", "c.yaml", "--pipeline", "2"], "--pipeline: only with --hf-config"),
     (["--config", "c.yaml", "--seq-len", "512", "--fused-loss"], "--seq-len, --fused-loss: with --config"),
 ])
@@ -115,6 +117,151 @@ def test_config_without_model_type(tmp_path: Path) -> None:
     path.write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ConfigError, match="model_type"):
         estimate_from_hf_config(path)
+
+
+# -- input checks: every input before any work, one line each ------------------------------------------------
+def _llama(**changes) -> dict:
+    """The tiny Llama config.json as a dict; a change to None removes the key."""
+    values = {**json.loads(tiny_hf_config("llama").to_json_string()), **changes}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _gemma2() -> dict:
+    import transformers
+
+    return json.loads(transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                vocab_size=256).to_json_string())
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a model (one device or pipeline stages) fails the test: the inputs are checked before."""
+    import lightning_memkit.estimate_cli as estimate_cli
+    import lightning_memkit.memory.estimate as estimate
+
+    def fail(*_args, **_kwargs):
+        raise AssertionError("work started before the inputs were checked")
+
+    monkeypatch.setattr(estimate_cli, "estimate_training_memory", fail)
+    monkeypatch.setattr(estimate, "build_model", fail)
+
+
+BAD_INPUTS = [  # (config.json content, flags, what the one line says)
+    (_llama(), ["--seq-len", "1e10"], "--seq-len='1e10': must be an int >= 1, got str"),
+    (_llama(), ["--batch-size", "1e11"], "--batch-size='1e11': must be an int >= 1, got str"),
+    (_llama(), ["--seq-len", "10000000000"], "--batch-size 1 x --seq-len 10000000000 = 10000000000 tokens per batch: "
+                                             "at most 2147483648"),
+    (_llama(max_position_embeddings=2**30), ["--seq-len", "50000000", "--batch-size", "64"], "tokens per batch"),
+    (_llama(), ["--seq-len", "5000"], "--seq-len 5000: at most max_position_embeddings=4096"),
+    (_llama(vocab_size=0), [], "vocab_size=0: must be an int >= 1"),
+    (_llama(vocab_size=-5), [], "vocab_size=-5: must be an int >= 1"),
+    (_llama(hidden_size="64"), [], "hidden_size='64': must be an int >= 1, got str"),
+    (_llama(num_hidden_layers=True), [], "num_hidden_layers=True: must be an int >= 1, got bool"),
+    (_llama(intermediate_size=128.0), [], "intermediate_size=128.0: must be an int >= 1, got float"),
+    (_llama(head_dim=None, num_attention_heads=6), [], "hidden_size=64: must be a multiple of "
+                                                       r"num_attention_heads=6 \(head_dim is derived"),
+    (_llama(num_attention_heads=6), [], r"hidden_size=64: must be a multiple of num_attention_heads=6 \(LlamaConfig "
+                                        "requires it"),
+    (_llama(num_key_value_heads=3), [], "num_attention_heads=4: must be a multiple of num_key_value_heads=3"),
+    ({**json.loads(tiny_hf_config("qwen3_moe").to_json_string()), "num_experts_per_tok": 5}, [],
+     "num_experts_per_tok=5: must be <= num_experts=4"),
+    ([_llama()], [], "holds a JSON list; a config.json holds one object"),
+    (_llama(model_type="llamma"), [], "model_type 'llamma' is not one of transformers"),
+    (_gemma2(), ["--pipeline", "2", "--batch-size", "4"], "--pipeline: model_type 'gemma2' of .* is not split by "
+                                                          "memkit_pipeline; supported families: llama, mistral"),
+]
+
+
+@pytest.mark.parametrize("values, flags, message", BAD_INPUTS, ids=lambda x: None)
+def test_a_bad_input_is_one_line_before_any_work(values, flags: list[str], message: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture, no_work: None) -> None:
+    import re
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    with pytest.raises(SystemExit) as exited:
+        main(["estimate", "--hf-config", str(path), *flags])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and err.startswith("memkit estimate: error: "), err
+    assert re.search(message, err), err
+
+
+def test_the_command_line_refuses_a_batch_too_large_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_llama()))
+    out = subprocess.run([sys.executable, "-c", "from lightning_memkit.cli import main; main()", "estimate",
+                          "--hf-config", str(path), "--seq-len", "10000000000"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        "memkit estimate: error: --batch-size 1 x --seq-len 10000000000 = 10000000000 tokens per batch: at most "
+        "2147483648 (2**31)"]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p: estimate_from_hf_config(p, seq_len=1e10), "--seq-len=10000000000.0: must be an int >= 1, got float"),
+    (lambda p: estimate_from_hf_config(p, seq_len=2**20, batch_size=2**12), "tokens per batch: at most 2147483648"),
+    (lambda p: estimate_from_hf_config(p, seq_len=8192), "--seq-len 8192: at most max_position_embeddings=4096"),
+    (lambda p: _pipeline(p, 1), "--pipeline=1: must be an int >= 2"),
+    (lambda p: _pipeline(p, 2, microbatches=3, batch_size=4), "--batch-size=4: must be a multiple of --microbatches=3"),
+    (lambda p: _pipeline(p, 2, batch_size=2, precision="fp8"), "--precision: 'fp8' is not supported"),
+])
+def test_the_library_functions_check_as_the_command(call, message: str, tmp_path: Path, no_work: None) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_llama()))
+    with pytest.raises(ConfigError, match=message):
+        call(path)
+    path.write_text(json.dumps(_llama(vocab_size=0)))
+    with pytest.raises(ConfigError, match="vocab_size=0: must be an int >= 1"):
+        estimate_from_hf_config(path)
+
+
+def _pipeline(path: Path, stages: int, **kwargs):
+    from lightning_memkit.estimate_cli import estimate_hf_pipeline
+
+    return estimate_hf_pipeline(path, stages, **kwargs)
+
+
+def test_a_head_dim_of_its_own_needs_no_dividing_heads(tmp_path: Path) -> None:
+    """Qwen3 sets head_dim itself: 6 heads of 16 on a hidden size of 64 are a valid model."""
+    import transformers
+
+    from lightning_memkit.estimate_inputs import read_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                                             vocab_size=256).to_json_string())
+    assert read_hf_config(path).num_attention_heads == 6
+
+
+def test_missing_and_unknown_keys_are_one_warning_line_each(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_llama(hidden_size=None, intermediate_size=None, head_dim=None, hiden_size=64)))
+    main(["estimate", "--hf-config", str(path), "--seq-len", "8", "--optimizer", "sgd", "--json"])
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"memkit estimate: --hf-config {path}: hidden_size=4096, intermediate_size=11008 taken from LlamaConfig's "
+        "defaults (the file does not set them)",
+        f"memkit estimate: --hf-config {path}: hiden_size ignored: not known to LlamaConfig or its model (misspelt?)"]
+    assert json.loads(out)["parameters"] > 2 * 4096 * 11008  # the estimate of the class's sizes, as warned
+
+
+def test_memory_stays_flat_at_a_long_sequence(tmp_path: Path) -> None:
+    """The token batch is fake: 2**26 tokens (1 GiB of input_ids and labels if real) take no host memory."""
+    from lightning_memkit.memory import HostRSS
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_llama(max_position_embeddings=2**20)))
+    estimate_from_hf_config(path, seq_len=16, optimizer="sgd")  # imports and first-call caches
+    with HostRSS(method="reset") as rss:
+        est = estimate_from_hf_config(path, seq_len=2**20, batch_size=64, optimizer="sgd")
+    if rss.method == "unavailable":
+        pytest.skip("no RSS reading on this platform")
+    assert est.peak_bytes > 2**36  # the estimate is of the long sequence
+    assert rss.increase_bytes < 2**27, rss  # the positions (8 MiB a copy) stay real; the 1 GiB batch does not
 
 
 @pytest.mark.slow

@@ -68,7 +68,7 @@ from lightning_memkit.memory.estimate_trace import (
     fake_tensors,
 )
 from lightning_memkit.memory.storage import format_bytes, iter_tensors
-from lightning_memkit.validation import check_choice
+from lightning_memkit.validation import check_bool, check_choice
 
 __all__ = ["MemoryEstimate", "PhaseEstimate", "estimate_training_memory", "OPTIMIZERS", "PRECISIONS"]
 
@@ -258,6 +258,7 @@ class _Run:
     zero_grad: str
     gaps: FakeKernelGaps
     plugin: Any = None
+    fake_batch: bool = False
 
 
 def _classify_static(run: _Run) -> None:
@@ -282,7 +283,8 @@ def _step(run: _Run, record: bool) -> None:
     ``step``."""
     tr = run.tracker
     _classify_static(run)
-    with unset_fake_temporarily():  # real values: labels are checked, masks and counts read
+    # real values (labels checked, masks and counts read), unless the batch is fake too: no memory for it
+    with contextlib.nullcontext() if run.fake_batch else unset_fake_temporarily():
         batch = run.batch_factory()
     if run.zero_grad == "before_forward":
         run.optimizer.zero_grad(set_to_none=True)
@@ -419,12 +421,14 @@ def estimate_training_memory(
     plugin: Any = None,
     checkpoint_mode: str = "full",
     target: str = "cpu",
+    fake_batch: bool = False,
 ) -> MemoryEstimate:
     """Predict the per-phase device peak of a steady-state training step; see the module doc.
 
     Args:
         model_factory: builds the model; called under fake mode (a 120B-parameter config costs no memory).
-        batch_factory: builds one batch on the device (``torch.randint``, ``torch.randn``...), also under fake mode.
+        batch_factory: builds one batch on the device (``torch.randint``, ``torch.randn``...): real tensors, made
+            outside the fake mode (their values are read), unless ``fake_batch``.
         loss_fn: ``(model, batch) -> scalar loss``; default :func:`default_loss` (``model(**batch).loss`` and kin).
         optimizer: ``"adamw"`` (``AdamW(lr=1e-3)``), ``"sgd"`` (``SGD(lr=1e-3, momentum=0.9)``) or an
             optimizer class (``optimizer_kwargs`` override its arguments), all over the trainable parameters;
@@ -450,6 +454,9 @@ def estimate_training_memory(
             ``optimizer.step()``'s ``foreach`` temporaries (torch's default on CUDA; AdamW: one buffer the size
             of all trainable parameters, :func:`~lightning_memkit.pipeline.cost.optimizer_step_bytes`) in place
             of the per-parameter ones.
+        fake_batch: ``batch_factory`` runs under the fake mode too: the batch takes no memory and has no values
+            (right for token ids a model only embeds; a model that reads its batch, e.g. to check labels,
+            needs the default: a real batch, made outside the fake mode).
 
     Raises:
         TypeError / ValueError: a bad argument, named, before anything is built.
@@ -458,6 +465,7 @@ def estimate_training_memory(
     check_choice(zero_grad, "zero_grad", ZERO_GRAD, owner=_OWNER)
     check_choice(checkpoint_mode, "checkpoint_mode", CHECKPOINT_MODES, owner=_OWNER)
     check_choice(target, "target", TARGETS, owner=_OWNER)
+    check_bool(fake_batch, "fake_batch", owner=_OWNER)
     _check_plugin(plugin, precision)
     make_optimizer, opt_name = resolve_optimizer(optimizer, optimizer_kwargs)
     start = time.perf_counter()
@@ -471,7 +479,7 @@ def estimate_training_memory(
         if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(f"{_OWNER}(optimizer=...) must make a torch.optim.Optimizer, got {type(optim).__name__}")
         run = _Run(model, optim, tracker, batch_factory, loss_fn or default_loss,
-                   precision, zero_grad, gaps, plugin)
+                   precision, zero_grad, gaps, plugin, fake_batch)
         features = _install(run, clock, (checkpoint, checkpoint_mode), patches, stack)
         _step(run, record=False)
         tracker.allocated = 0

@@ -219,12 +219,16 @@ class ExpertRouting:
         self.shape = None
 
     def nonzero(self, t: torch.Tensor) -> torch.Tensor | None:
-        """Real indices for ``nonzero`` of a fake mask inside an expert module (see the class doc), else ``None``."""
+        """Real indices for ``nonzero`` of a fake mask inside an expert module (see the class doc), else ``None``;
+        fake ones of the same shape where the real ones would take more than :data:`REAL_OP_BYTES`."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         if self.shape is None:
             return None
         tokens, top_k, experts = self.shape
+        if t.dim() != 1 and tokens * top_k * 8 > REAL_OP_BYTES:  # fake (shape only): no memory per token
+            expert, self.asked, slots = self.asked % experts, self.asked + 1, tokens * top_k
+            return torch.empty((slots // experts + (expert < slots % experts), 2), dtype=torch.long, device=t.device)
         with unset_fake_temporarily():
             if t.dim() == 1:  # which experts are hit: all of them
                 return torch.arange(min(experts, t.shape[0]), dtype=torch.long).view(-1, 1)
@@ -260,9 +264,11 @@ class FlopCount(TorchDispatchMode):
 class FakeKernelGaps(TorchDispatchMode):
     """Between the tracker and ``FakeTensorMode``: what fake tensors cannot do by themselves.
 
-    - ops whose tensor inputs are all real run for real (the batch is real: labels are checked, counted), and so
+    - ops whose tensor inputs are all real run for real (a real batch: labels are checked, counted), and so
       does ``arange`` of integers (positions: their values follow from the shapes; a model that reads them,
-      as transformers' mask builder does, must see real values, since it treats a fake one as a trace);
+      as transformers' mask builder does, must see real values, since it treats a fake one as a trace); unless
+      they expand their inputs past :data:`REAL_OP_BYTES` (a ``T x T`` mask, token indices in an expert module):
+      those are fake, and no host memory grows with the batch or the sequence beyond the positions;
     - ``nonzero`` inside an MoE expert module is answered by :class:`ExpertRouting` (a stated balance);
     - ``aten._grouped_mm`` in float32: its meta kernel accepts bfloat16 only while the CPU kernel also runs
       float32; the output is shaped through bfloat16 and returned in the input's dtype (same bytes).
@@ -273,11 +279,15 @@ class FakeKernelGaps(TorchDispatchMode):
         self.routing = routing or ExpertRouting()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         kwargs = kwargs or {}
-        tensors = list(iter_op_tensors(args)) + list(iter_op_tensors(kwargs.values()))
-        if (tensors and not any(isinstance(t, FakeTensor) for t in tensors)) or self._integer_range(func, args, kwargs):
+        real = self._real(func, args, kwargs)
+        if real == "sized":
+            out = _shaped(func, args, kwargs)  # fake first: its size decides
+            if out is not None and _expands(out, args, kwargs):
+                return out
+        if real:
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         if func is torch.ops.aten.nonzero.default:
@@ -290,6 +300,19 @@ class FakeKernelGaps(TorchDispatchMode):
             return func(*low, **{**kwargs, "out_dtype": None}).to(dtype)
         return func(*args, **kwargs)
 
+    def _real(self, func: Any, args: tuple, kwargs: dict) -> bool | str:
+        """``True``: the op runs for real; ``"sized"``: for real unless it expands (:func:`_expands`); ``False``:
+        fake. Integer ``arange`` is real (positions), or sized inside an expert module (token indices); an op of
+        real tensors only is sized, or real when it is a view or writes in place."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if self._integer_range(func, args, kwargs):
+            return True if self.routing.shape is None else "sized"
+        tensors = list(iter_op_tensors(args)) + list(iter_op_tensors(kwargs.values()))
+        if not tensors or any(isinstance(t, FakeTensor) for t in tensors):
+            return False
+        return True if func.is_view or func._schema.is_mutable else "sized"
+
     @staticmethod
     def _integer_range(func: Any, args: tuple, kwargs: dict) -> bool:
         """``torch.arange`` of integers: positions and indices whose values the shapes alone fix."""
@@ -300,6 +323,29 @@ class FakeKernelGaps(TorchDispatchMode):
 
 
 _INTEGER_DTYPES = (torch.int64, torch.int32)
+#: an op of real tensors whose outputs take more than this, and 64 times its inputs (a ``T x T`` attention mask
+#: from positions, token indices in an expert module), gives fake outputs (shape only: no host memory in
+#: proportion to the batch; a data-dependent op on them raises)
+REAL_OP_BYTES = 2**24
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors if has_storage(t))
+
+
+def _shaped(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on the fake mode below (its outputs' shapes), or ``None`` where fake tensors cannot run it (it reads
+    values: ``item()``, ``nonzero``; or it has no fake kernel): then it runs for real, as before any size test."""
+    try:
+        return func(*args, **kwargs)
+    except Exception:  # whatever fake tensors refuse, the real op decides (and raises if it must)
+        return None
+
+
+def _expands(out: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the (fake) outputs ``out`` of an op take more than :data:`REAL_OP_BYTES` and 64 times its inputs."""
+    size = _nbytes(iter_op_tensors([out]))
+    return size > REAL_OP_BYTES and size > 64 * _nbytes([*iter_op_tensors(args), *iter_op_tensors(kwargs.values())])
 
 
 @contextlib.contextmanager

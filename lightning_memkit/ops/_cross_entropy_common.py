@@ -68,8 +68,13 @@ class CrossEntropyOptions:
 def check_target(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
     """Raise ``ValueError`` if a target is outside ``[0, n_classes)`` and is not ``ignore_index``.
 
-    One host sync on accelerators (``bool(tensor)``); skip it with ``validate=False``.
+    One host sync on accelerators (``bool(tensor)``); skip it with ``validate=False``. A fake target (``FakeTensor``,
+    as in ``memkit estimate``) has no values to check: it passes.
     """
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(target):
+        return
     bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
     if bool(bad.any()):
         first = target[bad][0].item()

@@ -96,6 +96,27 @@ def test_nothing_real_is_allocated_for_a_large_model() -> None:
     assert lp.peak_bytes < 2**20  # an open LivePeak does not see the estimate's fake peak (unmeasured)
 
 
+def test_a_fake_batch_gives_the_same_estimate() -> None:
+    real = estimate_training_memory(_mlp, _batch, loss_fn=_loss, optimizer="sgd")
+    fake = estimate_training_memory(_mlp, _batch, loss_fn=_loss, optimizer="sgd", fake_batch=True)
+    assert [p.peak_bytes for p in fake.phases] == [p.peak_bytes for p in real.phases]
+    with pytest.raises(TypeError, match="fake_batch"):
+        estimate_training_memory(_mlp, _batch, fake_batch="yes")
+
+
+def test_ops_of_real_tensors_that_expand_past_the_limit_are_fake() -> None:
+    from torch._subclasses.fake_tensor import is_fake
+
+    from lightning_memkit.memory.estimate_trace import REAL_OP_BYTES, fake_tensors
+
+    with fake_tensors():
+        positions = torch.arange(8192)  # real: a model may read positions
+        shifted = positions + 1  # as large as its input: real
+        mask = positions[:, None] <= positions[None, :]  # 64 MiB from 128 KiB: fake
+    assert not is_fake(positions) and not is_fake(shifted) and shifted[-1] == 8192
+    assert is_fake(mask) and mask.shape == (8192, 8192) and mask.untyped_storage().nbytes() > REAL_OP_BYTES
+
+
 def test_balanced_routing_loads_differ_by_at_most_one() -> None:
     routing = balanced_routing(7, 3, 4)
     loads = torch.bincount(routing.flatten(), minlength=4)
