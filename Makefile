@@ -26,7 +26,7 @@ demo: $(STAMP)
 # skipped: `make test MEMKIT_RUN_SLOW=1` (what .ci/run does) runs them too.
 test: $(STAMP)
 	$(VENV)/bin/ruff check lightning_memkit tests benchmarks examples
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 $(BENCH_STAMP): $(STAMP)

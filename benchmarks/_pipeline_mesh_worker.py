@@ -33,7 +33,7 @@ def fsdp_resizes_reported() -> Iterator[None]:
     """Report FSDP2's ``resize_`` of its unsharded parameters to ``LivePeak`` (a resize is not an op it sees)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
-    from lightning_memkit.memory.live_peak import note_storage_resized
+    from lightning_memkit.measure.live_peak import note_storage_resized
 
     def reported(fn):
         def wrapper(tensor: torch.Tensor) -> None:

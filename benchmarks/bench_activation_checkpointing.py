@@ -51,8 +51,8 @@ from lightning_memkit.demo import TinyLM
 from lightning_memkit.demo.hf_models import HF_FAMILIES, tiny_hf_causal_lm
 from lightning_memkit.demo.tiny_lm import Block
 from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
+from lightning_memkit.measure.allocator_peak import AllocatorPeak
 from lightning_memkit.memory import LivePeak, checkpoint_modules, select_modules
-from lightning_memkit.memory.allocator_peak import AllocatorPeak
 
 THREADS = 1  # one intra-op thread: stable ratios on a shared 2-core machine
 

@@ -6,8 +6,9 @@ Case 1 (``linear_cross_entropy``): ours against ``F.linear_cross_entropy(options
 linear cross-entropy and the unfused ``F.cross_entropy(F.linear(...))``, all in one run. CPU cases:
 N=4096 H=512 V=32,000 fp32, N=2048 H=1024 V=128,256 in fp32 and in bf16 (with loss, dx and dW errors
 against an fp64 oracle), the first shape with ``softcap=30`` (torch's op has none: CCE is the peer) and
-with ``reduction="none"``. The unavoidable bytes are the gradients ``dW + dx``; "overhead" is the peak
-above them. Time: the fastest of two interleaved rounds per implementation (five on CUDA).
+with ``reduction="none"``, and a narrow head, N=2048 H=256 V=16,384 fp32 with 20% of the targets ignored
+(its goal is against torch's chunked path only). The unavoidable bytes are the gradients ``dW + dx``;
+"overhead" is the peak above them. Time: the fastest of two interleaved rounds per implementation (five on CUDA).
 
 Case 2 (``cross_entropy`` on materialized logits): ours (saved logits, and ``inplace_backward``)
 against ``F.cross_entropy``; every row allocates the logits and ``dW`` of the head.
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from benchmarks.common import mib, record, time_once
 from lightning_memkit.demo.hf_models import HF_FAMILIES, tiny_hf_causal_lm
 from lightning_memkit.hf import fused_linear_cross_entropy
-from lightning_memkit.memory.allocator_peak import AllocatorPeak
+from lightning_memkit.measure.allocator_peak import AllocatorPeak
 from lightning_memkit.ops import cross_entropy, linear_cross_entropy
 
 BASELINE = "F.linear_cross_entropy(options=LinearCrossEntropyOptions())"
@@ -45,9 +46,9 @@ def _linear_shapes(device: str, quick: bool) -> list[dict]:
         shape = (2048, 1024, 32000) if quick else (8192, 4096, 128256)
         return [{"shape": shape, "dtype": torch.bfloat16}]
     if quick:
-        small, large, mid = (512, 128, 8000), (256, 256, 16000), (128, 256, 8000)
+        small, large, mid, narrow = (512, 128, 8000), (256, 256, 16000), (128, 256, 8000), (512, 128, 16384)
     else:
-        small, large, mid = (4096, 512, 32000), (2048, 1024, 128256), (512, 1024, 32000)
+        small, large, mid, narrow = (4096, 512, 32000), (2048, 1024, 128256), (512, 1024, 32000), (2048, 256, 16384)
     # CCE's bf16 path runs bf16 GEMMs, which a CPU without bf16 matrix units emulates slowly (about two
     # minutes a step at the mid shape on 2 AVX2 cores): it is measured at the mid shape only
     return [
@@ -57,6 +58,8 @@ def _linear_shapes(device: str, quick: bool) -> list[dict]:
         {"shape": mid, "dtype": torch.bfloat16, "oracle": True},
         {"shape": small, "dtype": torch.float32, "softcap": 30.0},
         {"shape": small, "dtype": torch.float32, "reduction": "none"},
+        # a narrow head (H=256), where a 448-row chunk would cost more than dW + dx: goal against torch's only
+        {"shape": narrow, "dtype": torch.float32, "ignored": 0.2, "torch_goal_only": True},
     ]
 
 
@@ -157,38 +160,41 @@ def _linear_impls(x, w, t, opts: dict, device: str, with_cce: bool) -> dict[str,
     return impls
 
 
-def _linear_goal(peaks, times, unavoidable, opts, dtype, errors, with_cce=True) -> tuple[str, bool]:
-    """The issue's goal for this case, as text with the measured figures, and whether it is met."""
+def _linear_goal(peaks, times, unavoidable, spec: dict, errors) -> tuple[str, bool]:
+    """The issue's goals for this case, as text with the measured figures, and whether all are met.
+
+    Against torch's chunked path wherever it runs: overhead above ``dW + dx`` and time at most its own (time at most
+    0.9x in the scalar-reduction cases that also race CCE; overhead at most 1/4 of its own in the narrow-head case).
+    Against CCE in the scalar-reduction cases: at most its time, at most 1/4 of its overhead. bf16: fp64-oracle errors.
+    """
     over = {k: p - unavoidable for k, p in peaks.items()}
     cce = next((k for k in (CCE, CCE_CUDA) if k in peaks), None)
-    parts, met = [], True
-    if opts.get("reduction") == "none":
-        ok = BASELINE in over and over[OURS] <= over[BASELINE]
-        parts.append(f"reduction='none' overhead <= torch chunked's ({mib(over[OURS])} vs "
-                     f"{mib(over.get(BASELINE, float('nan')))} MiB)")
-        return "; ".join(parts), ok
-    if cce is not None:
+    none, torch_only = spec.get("reduction") == "none", spec.get("torch_goal_only", False)
+    goals: list[tuple[str, bool]] = []
+    if none or torch_only:  # no CCE goal: reduction="none" is about torch's overhead, the narrow head about torch's
+        pass
+    elif cce is not None:
         ratio = times[OURS] / times[cce]
-        parts.append(f"time <= 1.0x CCE's ({ratio:.3f}x)")
-        parts.append(f"overhead above dW+dx <= 1/4 of CCE's ({mib(over[OURS])} vs {mib(over[cce])} MiB)")
-        met &= ratio <= 1.0 and over[OURS] <= over[cce] / 4
-    elif with_cce:
-        parts.append("CCE not installed: its goals not measured")
-        met = False
+        goals.append((f"time <= 1.0x CCE's ({ratio:.3f}x)", ratio <= 1.0))
+        goals.append((f"overhead above dW+dx <= 1/4 of CCE's ({mib(over[OURS])} vs {mib(over[cce])} MiB)",
+                      over[OURS] <= over[cce] / 4))
+    elif spec.get("cce", True):
+        goals.append(("CCE not installed: its goals not measured", False))
     else:
-        parts.append("CCE's goals in the next (mid-shape) bf16 case: its emulated bf16 GEMMs are too slow here")
+        goals.append(("CCE's goals in the next (mid-shape) bf16 case: its emulated bf16 GEMMs are too slow here", True))
     if BASELINE in times:
         ratio = times[OURS] / times[BASELINE]
-        parts.append(f"time <= 0.9x torch chunked's ({ratio:.3f}x)")
-        met &= ratio <= 0.9
-        if dtype != torch.float32:
-            parts.append(f"peak <= torch chunked's ({mib(peaks[OURS])} vs {mib(peaks[BASELINE])} MiB)")
-            met &= peaks[OURS] <= peaks[BASELINE]
+        limit = 1.0 if none or torch_only else 0.9
+        goals.append((f"time <= {limit}x torch chunked's ({ratio:.3f}x)", ratio <= limit))
+        share = 4 if torch_only else 1
+        goals.append((f"overhead above dW+dx <= {'1/4 of ' if share > 1 else ''}torch chunked's "
+                      f"({mib(over[OURS])} vs {mib(over[BASELINE])} MiB)", over[OURS] * share <= over[BASELINE]))
+    elif none:
+        goals.append(("torch's chunked path missing: its goals not measured", False))
     if errors and BASELINE in errors:
         worst = max(errors[OURS][k] / max(errors[BASELINE][k], 1e-30) for k in errors[OURS])
-        parts.append(f"fp64-oracle errors <= 1.5x torch chunked's (worst ratio {worst:.2f})")
-        met &= worst <= 1.5
-    return "; ".join(parts), bool(met)
+        goals.append((f"fp64-oracle errors <= 1.5x torch chunked's (worst ratio {worst:.2f})", worst <= 1.5))
+    return "; ".join(text for text, _ in goals), all(ok for _, ok in goals)
 
 
 def _linear_case(device: str, quick: bool, spec: dict) -> dict:
@@ -198,6 +204,8 @@ def _linear_case(device: str, quick: bool, spec: dict) -> dict:
     x = torch.randn(n, h, device=device, dtype=dtype, requires_grad=True)
     w = (torch.randn(v, h, device=device) / h**0.5).to(dtype).requires_grad_()
     t = torch.randint(0, v, (n,), device=device)
+    if spec.get("ignored"):  # a fraction of the targets set to ignore_index (-100, every implementation's default)
+        t[torch.randperm(n, device=device)[: int(spec["ignored"] * n)]] = -100
     impls = _linear_impls(x, w, t, opts, device, spec.get("cce", True))
     rounds = dict.fromkeys(impls, 5 if device.startswith("cuda") else (3 if quick else 2))
     if dtype != torch.float32 and not device.startswith("cuda"):  # peers running emulated bf16 GEMMs: one round
@@ -214,8 +222,10 @@ def _linear_case(device: str, quick: bool, spec: dict) -> dict:
         for k, e in errors.get(name, {}).items():
             row[f"err_{k}"] = f"{e:.2e}"
         rows.append(row)
-    goal, met = _linear_goal(peaks, times, unavoidable, opts, dtype, errors, spec.get("cce", True))
+    goal, met = _linear_goal(peaks, times, unavoidable, spec, errors)
     extra = "".join(f", {k}={val}" for k, val in opts.items())
+    if spec.get("ignored"):
+        extra += f", {spec['ignored']:.0%} of targets ignore_index"
     case = (f"N={n} H={h} V={v} {str(dtype).removeprefix('torch.')}{extra}, forward+backward, "
             f"dW+dx = {mib(unavoidable)} MiB, {torch.get_num_threads()} threads")
     return record("linear_cross_entropy", case, ref, rows, goal=goal, met=met)

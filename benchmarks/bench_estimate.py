@@ -254,7 +254,7 @@ def compare(case: Case) -> dict[str, Any]:
 
 
 def _timing() -> dict[str, Any]:
-    from lightning_memkit.estimate_cli import estimate_from_hf_config
+    from lightning_memkit.estimate.hf import estimate_from_hf_config
 
     start = time.perf_counter()
     est = estimate_from_hf_config("examples/hf_configs/gpt_oss_20b.json", seq_len=4096, batch_size=1,

@@ -37,8 +37,8 @@ from torch import nn
 from benchmarks.common import mib, record, time_once
 from lightning_memkit.demo import ByteTextDataModule
 from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
+from lightning_memkit.measure.storage import tensors_in, unique_storage_bytes
 from lightning_memkit.memory import LivePeak
-from lightning_memkit.memory.storage import tensors_in, unique_storage_bytes
 
 THREADS = 1  # one intra-op thread: stable ratios on a shared 2-core machine
 BASELINE = "peft-bf16"

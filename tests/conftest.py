@@ -57,7 +57,7 @@ def _launch_variables_restored():
 @pytest.fixture(autouse=True)
 def _no_live_peak_left_open():
     """Fail the test that leaves a ``LivePeak`` installed, not whichever test happens to run next."""
-    from lightning_memkit.memory import live_peak
+    from lightning_memkit.measure import live_peak
 
     yield
     leaked = list(live_peak._ACTIVE)

@@ -10,7 +10,9 @@ import pytest
 import torch
 import yaml
 
-from lightning_memkit.cli import ConfigError, MemkitCLI, main
+from lightning_memkit.cli.main import main
+from lightning_memkit.config.errors import ConfigError
+from lightning_memkit.config.lightning_cli import MemkitCLI
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 CONFIG = CONFIGS / "tiny_lm.yaml"
@@ -219,7 +221,7 @@ def test_compare_goes_to_the_compare_module(monkeypatch, capsys):
         if "--bad" in argv:
             raise ConfigError("--bad: not an option of memkit compare")
 
-    monkeypatch.setitem(sys.modules, "lightning_memkit.compare", types.SimpleNamespace(main=compare_main))
+    monkeypatch.setitem(sys.modules, "lightning_memkit.cli.compare", types.SimpleNamespace(main=compare_main))
     main(args=["compare", "--config", "c.yaml", "--debug", "--runs", "2"])
     assert seen == [["--config", "c.yaml", "--runs", "2"]]
     with pytest.raises(SystemExit) as info:

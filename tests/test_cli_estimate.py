@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_memkit.cli import ConfigError, main
+from lightning_memkit.cli.main import main
+from lightning_memkit.config.errors import ConfigError
 from lightning_memkit.demo.hf_models import tiny_hf_config
-from lightning_memkit.estimate_cli import estimate_from_hf_config
+from lightning_memkit.estimate.hf import estimate_from_hf_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ def test_pipeline_matches_the_strategy_planning_on_real_tensors(tmp_path: Path) 
     import torch
     import transformers
 
-    from lightning_memkit.estimate_cli import estimate_hf_pipeline
+    from lightning_memkit.estimate.hf import estimate_hf_pipeline
     from lightning_memkit.hf.pipeline_stages import causal_lm_stages
     from lightning_memkit.pipeline import partition_layers
     from lightning_memkit.pipeline.runtime import measure_pipeline_costs
@@ -106,7 +107,7 @@ def test_pipeline_matches_the_strategy_planning_on_real_tensors(tmp_path: Path) 
     (["--config", "c.yaml", "--seq-len", "512", "--fused-loss"], "--seq-len, --fused-loss: with --config"),
 ])
 def test_bad_arguments(args: list[str], message: str) -> None:
-    from lightning_memkit.estimate_cli import main as estimate_main
+    from lightning_memkit.cli.estimate import main as estimate_main
 
     with pytest.raises(ConfigError, match=message):
         estimate_main(args)
@@ -137,8 +138,8 @@ def _gemma2() -> dict:
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Building a model (one device or pipeline stages) fails the test: the inputs are checked before."""
-    import lightning_memkit.estimate_cli as estimate_cli
-    import lightning_memkit.memory.estimate as estimate
+    import lightning_memkit.estimate.hf as estimate_cli
+    import lightning_memkit.estimate.step as estimate
 
     def fail(*_args, **_kwargs):
         raise AssertionError("work started before the inputs were checked")
@@ -219,7 +220,7 @@ def test_the_library_functions_check_as_the_command(call, message: str, tmp_path
 
 
 def _pipeline(path: Path, stages: int, **kwargs):
-    from lightning_memkit.estimate_cli import estimate_hf_pipeline
+    from lightning_memkit.estimate.hf import estimate_hf_pipeline
 
     return estimate_hf_pipeline(path, stages, **kwargs)
 
@@ -228,7 +229,7 @@ def test_a_head_dim_of_its_own_needs_no_dividing_heads(tmp_path: Path) -> None:
     """Qwen3 sets head_dim itself: 6 heads of 16 on a hidden size of 64 are a valid model."""
     import transformers
 
-    from lightning_memkit.estimate_inputs import read_hf_config
+    from lightning_memkit.estimate.inputs import read_hf_config
 
     path = tmp_path / "config.json"
     path.write_text(transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -8,8 +8,9 @@ import pytest
 import torch
 import yaml
 
-from lightning_memkit.cli import ConfigError
-from lightning_memkit.compare import PHASES, compare, main, split_features
+from lightning_memkit.cli.compare import main
+from lightning_memkit.config.comparison import PHASES, compare, split_features
+from lightning_memkit.config.errors import ConfigError
 from lightning_memkit.demo import TinyLM
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
@@ -93,7 +94,7 @@ def test_errors_name_the_argument_before_anything_runs(tmp_path, monkeypatch):
     def no_run(*a, **k):
         raise AssertionError("a run started")
 
-    monkeypatch.setattr("lightning_memkit.compare._run", no_run)
+    monkeypatch.setattr("lightning_memkit.config.comparison._run", no_run)
     with pytest.raises(ConfigError, match="--config: no such file"):
         compare(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match=r"--steps: compare\(steps=1\): must be an int >= 2"):
@@ -107,7 +108,7 @@ def test_errors_name_the_argument_before_anything_runs(tmp_path, monkeypatch):
 
 
 def test_memkit_compare_command_prints_one_line_errors(capsys):
-    from lightning_memkit.cli import main as memkit_main
+    from lightning_memkit.cli.main import main as memkit_main
 
     with pytest.raises(SystemExit) as info:
         memkit_main(["compare", "--config", str(CONFIGS / "tiny_lm.yaml"), "--steps", "0"])

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from lightning_memkit.cli import main
+from lightning_memkit.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

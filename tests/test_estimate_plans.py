@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from lightning_memkit.cli import ConfigError, main
+from lightning_memkit.cli.main import main
+from lightning_memkit.config.errors import ConfigError
 from lightning_memkit.demo.hf_models import tiny_hf_config
-from lightning_memkit.estimate_cli import estimate_from_hf_config
-from lightning_memkit.estimate_plans import HFRun, Plan, parse_bytes, search_plans, step_cost
+from lightning_memkit.estimate.hf import estimate_from_hf_config
+from lightning_memkit.estimate.plans import HFRun, Plan, parse_bytes, search_plans, step_cost
 from lightning_memkit.memory import LivePeak
 
 BASE_CONFIG = """\
@@ -62,7 +63,7 @@ def test_plan_order_and_words() -> None:
 
 
 def test_the_strongest_plan_is_tried_first(tmp_path: Path) -> None:
-    from lightning_memkit.estimate_plans import _strongest
+    from lightning_memkit.estimate.plans import _strongest
 
     path = tmp_path / "config.json"
     path.write_text(tiny_hf_config("llama").to_json_string())
@@ -172,7 +173,7 @@ def test_hf_fragments_parse_as_lightningcli_configs(plan: Plan, llama_json: Path
     """Every key of a plan's YAML is one LightningCLI accepts (class paths, init args, trainer options)."""
     import yaml
 
-    from lightning_memkit.compare import parse_config
+    from lightning_memkit.config.lightning_cli import parse_config
 
     run = HFRun(llama_json, seq_len=64, batch_size=4)
     base, fragment = tmp_path / "base.yaml", tmp_path / "plan.yaml"

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memkit import progress as progress_module
 from lightning_memkit.callbacks import (
     ActivationCheckpointing,
     AllocatorWarmupGuard,
@@ -18,10 +17,10 @@ from lightning_memkit.callbacks import (
     StageBoundaryRelease,
 )
 from lightning_memkit.callbacks.activation_checkpointing import plan_message
+from lightning_memkit.common import progress as progress_module
+from lightning_memkit.common.progress import WorkProgress, progress_enabled
+from lightning_memkit.measure.report import memory_effects, static_memory_table
 from lightning_memkit.memory import plan_checkpointing, release_optimizer_state, stage_boundary
-from lightning_memkit.memory.report import static_memory_table
-from lightning_memkit.progress import WorkProgress, progress_enabled
-from lightning_memkit.report import memory_effects
 
 
 def nbytes(t):
@@ -329,7 +328,7 @@ def test_checkpointing_planning_runs_report_progress(progress_bar, monkeypatch, 
     data = torch.utils.data.TensorDataset(torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16)))
     _trainer([ActivationCheckpointing(budget_bytes=10**9)], enable_progress_bar=progress_bar).fit(
         model, torch.utils.data.DataLoader(data, batch_size=4))
-    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_memkit.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_memkit.common.progress"]
     if progress_bar:
         assert lines == ["ActivationCheckpointing planning run: 1/? (0 of 2 layers recomputed)",
                          "ActivationCheckpointing planning run: 2/? (2 of 2 layers recomputed)"]
@@ -339,8 +338,8 @@ def test_checkpointing_planning_runs_report_progress(progress_bar, monkeypatch, 
 
 # -- LivePeak: blocks left out of the peak, the timeline sampler ---------------------------------------------------
 def test_unmeasured_block_keeps_the_outer_peak_and_counts_what_it_keeps():
+    from lightning_memkit.measure.live_peak import unmeasured
     from lightning_memkit.memory import LivePeak
-    from lightning_memkit.memory.live_peak import unmeasured
 
     samples = []
     with LivePeak() as lp:
@@ -376,7 +375,7 @@ def test_pipeline_measurement_pass_reports_each_layer(fused, monkeypatch, caplog
         caplog.clear()
         trainer = SimpleNamespace(is_global_zero=rank_zero, progress_bar_callback=bar)
         strategy._memory_partition(trainer, strategy._plan.layers, 2, None, kwargs)
-        lines = [r.getMessage() for r in caplog.records if r.name == "lightning_memkit.progress"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "lightning_memkit.common.progress"]
         if rank_zero and bar is not None:
             head = "Linear (with the fused loss)" if fused else "Linear"
             assert lines == [f"memkit_pipeline measuring layer: {i}/5 {name}" for i, name in

@@ -1,4 +1,5 @@
-"""callbacks."""
+"""Lightning callbacks, one feature each: when (which hook, which rank) to measure, cut or release memory; the
+work itself is done by the core folders (``measure``, ``release``, ``recompute``, ``ops``, ``loading``)."""
 
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.allocator_warmup_guard import AllocatorWarmupGuard

@@ -30,8 +30,14 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
 from lightning_memkit.callbacks.phase_memory_release import drop_model_log_refs
+from lightning_memkit.common.progress import WorkProgress, progress_enabled
+from lightning_memkit.common.validation import check_bool, check_int
 from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
-from lightning_memkit.memory.activation_recompute import (
+from lightning_memkit.measure.allocator_peak import AllocatorPeak
+from lightning_memkit.measure.live_peak import LivePeak, unmeasured
+from lightning_memkit.measure.saved_tensors import SavedTensorRecorder
+from lightning_memkit.measure.storage import unique_storage_bytes
+from lightning_memkit.recompute.activation_recompute import (
     PolicyLike,
     RecomputeHandle,
     describe_policy,
@@ -39,8 +45,7 @@ from lightning_memkit.memory.activation_recompute import (
     resolve_policy,
     select_modules,
 )
-from lightning_memkit.memory.allocator_peak import AllocatorPeak
-from lightning_memkit.memory.checkpoint_plan import (
+from lightning_memkit.recompute.plan import (
     CheckpointPlan,
     RecomputeCostMeter,
     calibrate,
@@ -50,11 +55,6 @@ from lightning_memkit.memory.checkpoint_plan import (
     plan_recompute,
     predicted_peak,
 )
-from lightning_memkit.memory.live_peak import LivePeak, unmeasured
-from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
-from lightning_memkit.memory.storage import unique_storage_bytes
-from lightning_memkit.progress import WorkProgress, progress_enabled
-from lightning_memkit.validation import check_bool, check_int
 
 __all__ = ["ActivationCheckpointing", "AUTO"]
 
@@ -189,7 +189,7 @@ class ActivationCheckpointing(Callback):
     recomputed layer would append to it a second time in backward.
 
     With ``budget_bytes``, the first training batch is run outside the loop (RNG, gradients and buffers
-    restored, logging muted) under :class:`~lightning_memkit.memory.saved_tensors.SavedTensorRecorder`, the
+    restored, logging muted) under :class:`~lightning_memkit.measure.saved_tensors.SavedTensorRecorder`, the
     recorder behind :func:`~lightning_memkit.memory.profile_saved_tensors`: once with nothing recomputed
     (baseline peak and per-layer saved bytes) and once with every candidate recomputed (the best peak).
     A candidate's saving is the activation bytes saved inside it minus its inputs, which recomputation
@@ -202,7 +202,7 @@ class ActivationCheckpointing(Callback):
     best achievable peak. Each ``fit`` plans again on its first batch.
 
     ``selective=True`` recomputes selectively (selective activation checkpointing): each chosen layer keeps
-    the outputs of its matmuls and attention kernels (:data:`~lightning_memkit.memory.activation_recompute.
+    the outputs of its matmuls and attention kernels (:data:`~lightning_memkit.recompute.activation_recompute.
     SAVED_OPS`) besides its inputs and recomputes only the rest in backward, so no matmul runs twice: less
     saved than with full recompute, for much less time. With ``budget_bytes`` too, each layer gets none,
     selective or full recompute: the planning runs also measure every layer selectively recomputed and the
@@ -218,7 +218,7 @@ class ActivationCheckpointing(Callback):
     submodules. The callback patches the original modules, so the recompute is traced into the compiled
     graph (one recompilation). With ``budget_bytes``, the saved-tensor profile runs eager (compiled code
     cannot be profiled per layer), and the peaks that decide are measured on the compiled step by the
-    allocator (:class:`~lightning_memkit.memory.allocator_peak.AllocatorPeak`: the CPU allocator's events
+    allocator (:class:`~lightning_memkit.measure.allocator_peak.AllocatorPeak`: the CPU allocator's events
     through ``torch.profiler``, ``max_memory_allocated`` on CUDA); the profiled savings are scaled to them.
     Each measured configuration compiles once.
 

@@ -12,7 +12,7 @@ import logging
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_memkit.memory.allocator_warmup import (
+from lightning_memkit.loading.allocator_warmup import (
     DEFAULT_MARGIN,
     DEFAULT_TARGET,
     DEFAULT_THRESHOLD,

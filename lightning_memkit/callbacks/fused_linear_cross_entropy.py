@@ -24,23 +24,10 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from lightning_memkit.validation import check_choice, check_int
+from lightning_memkit.common.validation import check_choice, check_int
+from lightning_memkit.hf.fused_loss import find_causal_lms
 
 __all__ = ["FusedLinearCrossEntropy"]
-
-
-def find_causal_lms(pl_module: Any) -> list[Any]:
-    """The HF causal LMs of ``pl_module``: itself if it is a ``PreTrainedModel``, else its attributes that are."""
-    from transformers import PreTrainedModel
-
-    if isinstance(pl_module, PreTrainedModel):
-        return [pl_module]
-    found = [m for m in vars(pl_module).get("_modules", {}).values()
-             if isinstance(m, PreTrainedModel) and hasattr(m, "lm_head")]
-    if not found:
-        raise ValueError(f"FusedLinearCrossEntropy: {type(pl_module).__name__} is not a transformers PreTrainedModel "
-                         "and has no attribute that is a PreTrainedModel with an `lm_head`")
-    return found
 
 
 class FusedLinearCrossEntropy(Callback):

@@ -8,11 +8,11 @@ import os
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_memkit.common.progress import progress_enabled
+from lightning_memkit.common.validation import check_bool, check_int
 from lightning_memkit.loading.meta_buffers import meta_tensor_names
 from lightning_memkit.loading.safetensors_loader import LoadResult, load_mxfp4_into
-from lightning_memkit.memory.storage import format_bytes
-from lightning_memkit.progress import progress_enabled
-from lightning_memkit.validation import check_bool, check_int
+from lightning_memkit.measure.storage import format_bytes
 
 __all__ = ["MXFP4CheckpointLoader"]
 
@@ -45,7 +45,7 @@ class MXFP4CheckpointLoader(Callback):
         strict: every checkpoint entry must map to a module tensor and the reverse.
         rows_per_chunk: packed rows dequantized per chunk (default: automatic, bounded).
         progress: log one info line per tensor loaded, on global rank 0 while the trainer's progress bar is on
-            (:class:`~lightning_memkit.progress.WorkProgress`).
+            (:class:`~lightning_memkit.common.progress.WorkProgress`).
         measure: record the host RSS peak and LivePeak's tensor bytes of the load in ``result.memory``
             (``LivePeak``'s dispatch mode adds some tens of microseconds per op to the load).
 

@@ -26,11 +26,11 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torchmetrics import MaxMetric, MeanMetric
 
-from lightning_memkit.memory import LivePeak, resolve_device
-from lightning_memkit.memory.report import StaticMemoryTable, render_text, static_memory_table
-from lightning_memkit.memory.storage import format_bytes
-from lightning_memkit.report import memory_effects
-from lightning_memkit.validation import check_int
+from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.device import resolve_device
+from lightning_memkit.measure.live_peak import LivePeak
+from lightning_memkit.measure.report import StaticMemoryTable, memory_effects, render_text, static_memory_table
+from lightning_memkit.measure.storage import format_bytes
 
 __all__ = ["PeakMemoryMonitor"]
 
@@ -58,10 +58,10 @@ class PeakMemoryMonitor(Callback):
     At the end of training ``summary`` holds a dict and, on global rank 0 with ``verbose``, a table is
     printed.
 
-    Around that: at fit start, ``static_table`` holds :func:`~lightning_memkit.memory.report.static_memory_table`
+    Around that: at fit start, ``static_table`` holds :func:`~lightning_memkit.measure.report.static_memory_table`
     of the LightningModule with the trainer's optimizers (parameter, gradient and optimizer-state bytes
     per top-level module), printed on global rank 0 with ``verbose``; at the end of training ``effects``
-    holds one line per active memkit feature (:func:`~lightning_memkit.report.memory_effects`), printed
+    holds one line per active memkit feature (:func:`~lightning_memkit.measure.report.memory_effects`), printed
     after the table. Planning runs of other features (``ActivationCheckpointing``'s budget probes) are
     excluded from the step peak.
 

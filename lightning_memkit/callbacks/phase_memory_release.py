@@ -23,11 +23,11 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from lightning_memkit.memory.live_peak import LivePeak
-from lightning_memkit.memory.referrers import ReferrerReport, find_referrers, tensors_with_storages
-from lightning_memkit.memory.release import _storage_refs, empty_device_cache, release_optimizer_state
-from lightning_memkit.memory.storage import has_storage, storage_key, tensors_in
-from lightning_memkit.validation import check_int
+from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.live_peak import LivePeak
+from lightning_memkit.measure.storage import has_storage, storage_key, tensors_in
+from lightning_memkit.release.phases import empty_device_cache, release_optimizer_state, storage_refs
+from lightning_memkit.release.referrers import ReferrerReport, find_referrers, tensors_with_storages
 
 __all__ = ["PhaseMemoryRelease", "PhaseReleaseResult", "MemoryRetainedError", "drop_model_log_refs"]
 
@@ -93,7 +93,7 @@ def _reshard(model: torch.nn.Module) -> int:
     # FSDP2 puts its gathered parameters on the modules; FSDP1 keeps them in each handle's padded flat buffer
     handles = [u._handle for u in units if isinstance(u, FullyShardedDataParallel) and u._handle is not None]
     gathered = [h for h in handles if h.uses_sharded_strategy and not h.needs_unshard()]
-    before = _storage_refs([*model.parameters(), *(h._get_padded_unsharded_flat_param() for h in gathered)], skip=set())
+    before = storage_refs([*model.parameters(), *(h._get_padded_unsharded_flat_param() for h in gathered)], skip=set())
     for unit in units:
         if isinstance(unit, FSDPModule):
             unit.reshard()  # not recursive; a no-op on a sharded unit
@@ -247,7 +247,7 @@ class PhaseMemoryRelease(Callback):
         model = strategy.model if strategy.model is not None else pl_module
         unsharded = _reshard(model)  # FSDP2 puts the sharded parameters (and their .grad) back on the modules
         holders = _grad_holders(model, pl_module)
-        grads = _storage_refs([p.grad for p in holders if p.grad is not None], skip=set())
+        grads = storage_refs([p.grad for p in holders if p.grad is not None], skip=set())
         pl_module.zero_grad(set_to_none=True)
         for p in holders:
             p.grad = None  # FSDP's FlatParameters too: the parameters' gradients are views into theirs

@@ -19,8 +19,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from lightning_memkit.memory.saved_tensors import SavedTensorRecorder, SavedTensorReport
-from lightning_memkit.validation import check_int
+from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.saved_tensors import SavedTensorRecorder, SavedTensorReport
 
 __all__ = ["SavedTensorProfiler"]
 

@@ -2,7 +2,7 @@
 
 ``StageBoundaryRelease`` opens a :func:`~lightning_memkit.memory.release_stage_boundaries` block at
 ``on_train_batch_start`` and closes it at ``on_train_batch_end`` (or on an exception), so the
-:func:`~lightning_memkit.memory.stage_boundary` marks in the model act during the forward and backward
+:func:`~lightning_memkit.release.stage_boundary` marks in the model act during the forward and backward
 of each training step and nowhere else (validation, prediction and the model's use outside the Trainer
 are unchanged). Under ``FSDPStrategy`` and ``ModelParallelStrategy`` (``fully_shard``) it runs unchanged:
 the marked tensors are activations of each rank's own forward, and the bytes counted are that rank's.
@@ -34,7 +34,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_memkit.memory import BoundaryStats, release_stage_boundaries
+from lightning_memkit.release.stage_boundary import BoundaryStats, release_stage_boundaries
 
 __all__ = ["StageBoundaryRelease"]
 
@@ -98,7 +98,7 @@ class StageBoundaryRelease(Callback):
         self._warned_unmarked = True
         rank_zero_warn(
             "StageBoundaryRelease: no stage_boundary() mark ran during the training step, so nothing is released. "
-            "It frees only tensors the model marks with lightning_memkit.memory.stage_boundary (Hugging Face "
+            "It frees only tensors the model marks with lightning_memkit.release.stage_boundary (Hugging Face "
             "models have no marks); remove the callback or mark the model's stage outputs."
         )
 

@@ -1,4 +1,5 @@
-"""demo."""
+"""Small models and data made in code (TinyLM, a mixture-of-experts LM, tiny transformers models, bytes of Python's
+own sources): the demo, the examples and the tests train them with nothing to download."""
 
 from lightning_memkit.demo.byte_text import ByteTextDataModule
 from lightning_memkit.demo.hf_causal_lm import HFCausalLM

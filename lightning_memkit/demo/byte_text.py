@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_memkit.validation import check_choice, check_int, check_number
+from lightning_memkit.common.validation import check_choice, check_int, check_number
 
 __all__ = ["ByteTextDataModule", "ByteWindows", "load_corpus", "FALLBACK_TEXT"]
 

@@ -20,8 +20,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_memkit.common.validation import check_choice, check_int, check_number
 from lightning_memkit.demo.hf_models import HF_FAMILIES, tiny_hf_causal_lm
-from lightning_memkit.validation import check_choice, check_int, check_number
 
 __all__ = ["HFCausalLM"]
 

@@ -3,7 +3,7 @@
 Each :class:`MoEFeedForward` runs the stages of an expert-parallel layer in one process: route (top-k
 softmax), permute the tokens by expert (:func:`~lightning_memkit.ops.padded_index_gather`), exchange
 them (the dispatch all-to-all), run the experts, exchange back and combine (weighted ``index_add``).
-The tensors handed between stages are marked with :func:`~lightning_memkit.memory.stage_boundary`:
+The tensors handed between stages are marked with :func:`~lightning_memkit.release.stage_boundary`:
 
 * the dispatch input (the permuted tokens), read only by the dispatch exchange;
 * the expert outputs, read only by the combine exchange.
@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_memkit.common.validation import check_int, check_number
 from lightning_memkit.demo.tiny_lm import CausalSelfAttention
-from lightning_memkit.memory import stage_boundary
 from lightning_memkit.ops import padded_index_gather
-from lightning_memkit.validation import check_int, check_number
+from lightning_memkit.release.stage_boundary import stage_boundary
 
 __all__ = ["TinyMoE", "MoEFeedForward", "MoEBlock", "Experts", "TokenExchange", "Combine", "EXCHANGES"]
 

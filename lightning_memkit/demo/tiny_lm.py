@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_memkit.common.validation import check_bool, check_int, check_number
 from lightning_memkit.ops import lm_head_loss
-from lightning_memkit.validation import check_bool, check_int, check_number
 
 __all__ = ["TinyLM", "Block", "LOSSES"]
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
+from lightning_memkit.common.validation import check_choice, check_int
 from lightning_memkit.ops import linear_cross_entropy
-from lightning_memkit.validation import check_choice, check_int
 
-__all__ = ["fused_linear_cross_entropy"]
+__all__ = ["find_causal_lms", "fused_linear_cross_entropy"]
 
 _LOSS_ONLY_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
@@ -172,3 +172,17 @@ def fused_linear_cross_entropy(
             model.forward = previous
         else:
             del model.forward
+
+
+def find_causal_lms(pl_module: Any) -> list[Any]:
+    """The HF causal LMs of ``pl_module``: itself if it is a ``PreTrainedModel``, else its attributes that are."""
+    from transformers import PreTrainedModel
+
+    if isinstance(pl_module, PreTrainedModel):
+        return [pl_module]
+    found = [m for m in vars(pl_module).get("_modules", {}).values()
+             if isinstance(m, PreTrainedModel) and hasattr(m, "lm_head")]
+    if not found:
+        raise ValueError(f"FusedLinearCrossEntropy: {type(pl_module).__name__} is not a transformers PreTrainedModel "
+                         "and has no attribute that is a PreTrainedModel with an `lm_head`")
+    return found

@@ -84,9 +84,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memkit.common.validation import check_bool, check_choice
 from lightning_memkit.ops import cross_entropy, linear_cross_entropy
 from lightning_memkit.pipeline.runtime import BatchLoss, stage_scratch
-from lightning_memkit.validation import check_bool, check_choice
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

@@ -1,4 +1,5 @@
-"""loading."""
+"""Loading weights with a bounded peak: streaming MXFP4 dequantization into a model built on ``meta``, its
+non-persistent buffers recomputed, and the guard against transformers' allocator warmup. Pure torch."""
 
 from lightning_memkit.loading.meta_buffers import initialize_meta_buffers
 from lightning_memkit.loading.mxfp4 import dequantize_mxfp4

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_memkit.memory.storage import may_overlap
-from lightning_memkit.validation import check_int
+from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.storage import may_overlap
 
 __all__ = [
     "FP4_VALUES",

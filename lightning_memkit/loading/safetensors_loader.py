@@ -46,6 +46,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_memkit.common.progress import WorkProgress
+from lightning_memkit.common.validation import check_bool, check_int
 from lightning_memkit.loading.meta_buffers import (
     BufferInit,
     initialize_meta_buffers,
@@ -56,11 +58,9 @@ from lightning_memkit.loading.meta_buffers import (
 )
 from lightning_memkit.loading.mxfp4 import check_mxfp4, check_writable, dequantize_mxfp4
 from lightning_memkit.loading.stream import split_mxfp4_name
-from lightning_memkit.memory.device import resolve_device
-from lightning_memkit.memory.host_rss import HostRSS, MemoryReport
-from lightning_memkit.memory.live_peak import LivePeak
-from lightning_memkit.progress import WorkProgress
-from lightning_memkit.validation import check_bool, check_int
+from lightning_memkit.measure.device import resolve_device
+from lightning_memkit.measure.host_rss import HostRSS, MemoryReport
+from lightning_memkit.measure.live_peak import LivePeak
 
 __all__ = ["TensorInfo", "LoadResult", "read_safetensors_header", "checkpoint_manifest", "load_mxfp4_into"]
 
@@ -462,7 +462,7 @@ def load_mxfp4_into(
         device: where to create tensors that are on the meta device (required if there are any); a tied
             meta parameter is created once and stays tied. Others are written in place, on their device.
         rows_per_chunk: see :func:`dequantize_mxfp4`.
-        progress: log one info line per tensor written (:class:`~lightning_memkit.progress.WorkProgress`);
+        progress: log one info line per tensor written (:class:`~lightning_memkit.common.progress.WorkProgress`);
             each tensor is also logged at debug level.
         init_buffers: ``init_buffers(module, names)`` fills the non-persistent buffers ``names`` (in no
             checkpoint) that were on meta, after they were allocated on ``device``. It runs before any

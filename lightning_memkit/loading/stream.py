@@ -20,9 +20,9 @@ from collections.abc import Iterator, MutableMapping
 
 import torch
 
+from lightning_memkit.common.validation import check_int
 from lightning_memkit.loading.mxfp4 import check_mxfp4, dequantize_mxfp4
-from lightning_memkit.memory.device import resolve_device
-from lightning_memkit.validation import check_int
+from lightning_memkit.measure.device import resolve_device
 
 __all__ = ["stream_dequantize", "split_mxfp4_name"]
 

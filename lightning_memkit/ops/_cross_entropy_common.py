@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_memkit.validation import check_int, check_number
+from lightning_memkit.common.validation import check_int, check_number
 
 __all__ = [
     "CrossEntropyOptions",
@@ -31,6 +31,7 @@ __all__ = [
     "budget_rows",
     "MIN_ROWS",
     "FREE_FRACTION",
+    "row_floor",
     "check_chunk_size",
     "grad_base_scale",
     "torch_rows",
@@ -142,14 +143,15 @@ def auto_rows(
 
 
 # linear_cross_entropy's "auto" chunk: its working buffers may take this fraction of the gradients dW + dx that
-# the op produces anyway, and no more than FREE_FRACTION of the device's free memory (measured choices, see
-# docs/cross_entropy.md: 1/3 keeps a step at or under Cut Cross-Entropy's time on CPU; 1/10 keeps
-# reduction="none" at or under torch's chunked overhead)
-GRADIENT_FRACTION = {"mean": 1 / 3, "sum": 1 / 3, "none": 1 / 10}
+# the op produces anyway, and no more than FREE_FRACTION of the device's free memory (measured choices, see "The
+# chunk rule" in docs/cross_entropy.md: 1/5 keeps the chunk under a quarter of the second copy of dW + dx that
+# torch's chunked F.linear_cross_entropy allocates; 1/8 keeps reduction="none" at or under torch's chunked overhead
+# with GEMMs as tall as its own: 64 rows at N=4096 H=512 V=32000 fp32, where 48-row GEMMs took 1.27x the time)
+GRADIENT_FRACTION = {"mean": 1 / 5, "sum": 1 / 5, "none": 1 / 8}
 FREE_FRACTION = 1 / 4
-# ... and with "mean"/"sum" at least this many rows where FREE_FRACTION of the free memory holds them: shorter
-# chunks run slower GEMMs (N=4096 H=512 V=32000 fp32 on 2 AVX2 cores: 1.17x CCE's time at 192 rows, 1.04x
-# at 256, 0.89x at 560)
+# ... and with "mean"/"sum" at least this many rows where their logits cost at most dW + dx (and FREE_FRACTION of
+# the free memory holds them): shorter chunks run slower GEMMs (N=4096 H=512 V=32000 fp32 on 2 AVX2 cores: 1.17x
+# CCE's time at 192 rows, 1.04x at 256, 0.89x at 560); a narrow head (fp32: H below about 448) stays at the budget
 MIN_ROWS = 448
 
 
@@ -161,8 +163,8 @@ def chunk_budget(gradient_bytes: int, reduction: str, free_bytes: int | None) ->
 
     Example::
 
-        >>> chunk_budget(300 * 2**20, "mean", free_bytes=None) // 2**20
-        100
+        >>> chunk_budget(300 * 2**20, "mean", free_bytes=None) // 2**20  # a fifth of dW + dx
+        60
         >>> chunk_budget(300 * 2**20, "mean", free_bytes=80 * 2**20) // 2**20  # a quarter of what is free
         20
     """
@@ -170,6 +172,25 @@ def chunk_budget(gradient_bytes: int, reduction: str, free_bytes: int | None) ->
     if free_bytes is not None:
         nbytes = min(nbytes, FREE_FRACTION * free_bytes)
     return int(max(MIN_AUTO_CHUNK_BYTES, nbytes))
+
+
+def row_floor(reduction: str, logit_row_bytes: int, row_bytes: int, gradient_bytes: int, free_bytes: int | None) -> int:
+    """The fewest rows of an ``"auto"`` chunk of :func:`linear_cross_entropy`: :data:`MIN_ROWS` with ``"mean"``/
+    ``"sum"`` where that many rows of logits (``logit_row_bytes`` each) cost at most ``gradient_bytes`` (``dW + dx``),
+    and no more rows (``row_bytes`` each, all of a row's buffers) than ``FREE_FRACTION * free_bytes`` holds; else 0.
+
+    Example::
+
+        >>> row_floor("mean", 4 * 32000, 4 * 32000, (32000 + 4096) * 512 * 4, None)  # N=4096 H=512 V=32000 fp32
+        448
+        >>> row_floor("mean", 4 * 16384, 4 * 16384, (16384 + 2048) * 256 * 4, None)  # H=256: 448 rows > dW + dx
+        0
+    """
+    if reduction == "none" or MIN_ROWS * logit_row_bytes > gradient_bytes:
+        return 0
+    if free_bytes is None:
+        return MIN_ROWS
+    return min(MIN_ROWS, int(FREE_FRACTION * free_bytes) // max(1, row_bytes))
 
 
 def budget_rows(nbytes: int, row_bytes: int, n_rows: int) -> int:

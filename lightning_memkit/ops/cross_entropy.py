@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from lightning_memkit.memory.storage import may_overlap
+from lightning_memkit.common.validation import check_bool
+from lightning_memkit.measure.storage import may_overlap
 from lightning_memkit.ops._cross_entropy_common import (
     CrossEntropyOptions,
     auto_rows,
@@ -36,21 +37,20 @@ from lightning_memkit.ops._cross_entropy_common import (
     torch_rows,
     triton_kernels,
 )
-from lightning_memkit.validation import check_bool
 
 __all__ = ["cross_entropy"]
 
 _disable_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 
 
-def _scale_for_backward(grad_out: torch.Tensor, base: torch.Tensor, reduction: str) -> torch.Tensor:
+def scale_for_backward(grad_out: torch.Tensor, base: torch.Tensor, reduction: str) -> torch.Tensor:
     go = grad_out.to(torch.float32)
     if reduction == "none":
         return go.reshape(-1)
     return go.reshape(1) * base
 
 
-def _kernel_args(o: CrossEntropyOptions) -> dict:
+def kernel_args(o: CrossEntropyOptions) -> dict:
     return {
         "ignore_index": o.ignore_index,
         "label_smoothing": float(o.label_smoothing),
@@ -90,7 +90,7 @@ def _pass(x, target, o, backend, *, loss_rows=None, lse=None, grad=None, grad_sc
     if backend == "triton":
         triton_kernels().ce_rows(
             x, target, loss=loss_rows, lse=lse, lse_known=lse_known, grad=grad, grad_scale=grad_scale,
-            **_kernel_args(o),
+            **kernel_args(o),
         )
     else:
         _torch_pass(x, target, o, loss_rows=loss_rows, lse=lse, grad=grad, grad_scale=grad_scale, lse_known=lse_known)
@@ -138,7 +138,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
                 g.mul_(grad_out)
             return g.view(ctx.shape), None, None, None, None, None
         x, t, lse, base = ctx.saved_tensors
-        scale = _scale_for_backward(grad_out, base, o.reduction)
+        scale = scale_for_backward(grad_out, base, o.reduction)
         grad = torch.empty_like(x)
         _pass(x, t, o, ctx.backend, lse=lse, grad=grad, grad_scale=scale, lse_known=True)
         return grad.view(ctx.shape), None, None, None, None, None

@@ -43,10 +43,9 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from lightning_memkit.memory.device import free_device_memory
+from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.device import free_device_memory
 from lightning_memkit.ops._cross_entropy_common import (
-    FREE_FRACTION,
-    MIN_ROWS,
     CrossEntropyOptions,
     budget_rows,
     check_backend,
@@ -55,11 +54,11 @@ from lightning_memkit.ops._cross_entropy_common import (
     chunk_budget,
     grad_base_scale,
     reduce_loss,
+    row_floor,
     torch_rows,
     triton_kernels,
 )
-from lightning_memkit.ops.cross_entropy import _kernel_args, _scale_for_backward, check_logits_target
-from lightning_memkit.validation import check_int
+from lightning_memkit.ops.cross_entropy import check_logits_target, kernel_args, scale_for_backward
 
 __all__ = ["linear_cross_entropy"]
 
@@ -98,7 +97,7 @@ class _Chunker:
         self.keep = None
         if backend == "torch" and o.softcap is not None:
             self.keep = torch.empty_like(self.buf)
-        self.kargs = _kernel_args(o)
+        self.kargs = kernel_args(o)
         if self.slab:  # reused fp32 buffers (fresh allocations of this size cost page faults on every chunk)
             h, rows = x.shape[1], self.buf.shape[0]
             self.xf = torch.empty(rows, h, dtype=torch.float32, device=dev)
@@ -260,7 +259,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             x, weight, bias, t, lse = ctx.saved_tensors
             o, rows = ctx.o, ctx.plan.rows
-            scale = _scale_for_backward(grad_out, None, o.reduction)
+            scale = scale_for_backward(grad_out, None, o.reduction)
             ch = _Chunker(x, weight, bias, t, o, ctx.backend, ctx.plan, ctx.accum_dtype)
             dx, dw, db = _buffers(x, weight, bias, ctx.accum_dtype, ctx.need)
             for a in range(0, x.shape[0], rows):
@@ -317,7 +316,7 @@ def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes) -> C
         chunk_bytes = chunk_budget(grad_bytes, o.reduction, free)
     # bytes per row of the chunk buffers: fp32 logits (the compute dtype on Triton), a second fp32 buffer for
     # softcap's derivative on the PyTorch path, and on the upcast path the chunk's fp32 hidden and dx rows
-    row_bytes = v * (hidden.element_size() if backend == "triton" else 4)
+    logit_row_bytes = row_bytes = v * (hidden.element_size() if backend == "triton" else 4)
     if backend == "torch" and o.softcap is not None:
         row_bytes *= 2
     slab = 0
@@ -329,9 +328,8 @@ def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes) -> C
         rows = int(chunk_size)
     else:
         rows = budget_rows(chunk_bytes, row_bytes, n_rows)
-        if auto and o.reduction != "none":  # tall enough GEMMs, as far as a quarter of the free memory allows
-            floor = MIN_ROWS if free is None else min(MIN_ROWS, int(FREE_FRACTION * free) // row_bytes)
-            rows = max(rows, floor)
+        if auto:  # tall GEMMs where their logits cost at most dW + dx and a quarter of the free memory holds them
+            rows = max(rows, row_floor(o.reduction, logit_row_bytes, row_bytes, grad_bytes, free))
     return ChunkPlan(max(1, min(rows, n_rows)), slab)
 
 
@@ -364,10 +362,11 @@ def linear_cross_entropy(
             :func:`~lightning_memkit.ops.cross_entropy`.
         chunk_size: tokens per chunk, or ``"auto"``: as many tokens as the chunk budget holds in
             buffers (fp32 logits; twice that with ``softcap`` on the PyTorch path).
-        chunk_bytes: the chunk budget in bytes. ``None`` (default): a third of the bytes of
-            ``dW + dx`` (a tenth with ``reduction="none"``), at most a quarter of the device's free
-            memory, at least 1 MiB; with ``"mean"``/``"sum"`` at least 448 rows where a quarter of the
-            free memory holds them. Only with ``chunk_size="auto"``.
+        chunk_bytes: the chunk budget in bytes. ``None`` (default): a fifth of the bytes of
+            ``dW + dx`` (an eighth with ``reduction="none"``), at most a quarter of the device's free
+            memory, at least 1 MiB; with ``"mean"``/``"sum"`` at least 448 rows where 448 rows of logits
+            cost at most ``dW + dx`` and a quarter of the free memory holds them. Only with
+            ``chunk_size="auto"``.
         accum_dtype: dtype in which ``dW`` accumulates across chunks. ``None`` (default): the
             weight's dtype, each chunk's product formed in fp32 and rounded once into it (no fp32
             copy of ``dW``; in bf16 the rounding error grows with the number of chunks, so with a

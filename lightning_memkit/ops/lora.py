@@ -31,7 +31,7 @@ import math
 import torch
 from torch import nn
 
-from lightning_memkit.validation import check_int, check_number
+from lightning_memkit.common.validation import check_int, check_number
 
 __all__ = ["LoRAAdapter", "ExpertLoRAAdapter", "check_lora_args", "freeze_base_"]
 

@@ -35,16 +35,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_memkit.common.validation import check_bool, check_choice, check_int
 from lightning_memkit.ops.nosave_matmul import (
-    _FLOAT_DTYPES,
+    FLOAT_DTYPES,
     NoSave4bitLinearFunction,
     NoSaveInt8LinearFunction,
-    _bnb,
-    _dequantize_4bit,
-    _dequantize_int8,
-    _Packed4bit,
+    Packed4bit,
+    dequantize_4bit,
+    dequantize_int8,
+    import_bitsandbytes,
 )
-from lightning_memkit.validation import check_bool, check_choice, check_int
 
 __all__ = ["QuantizedExperts", "EXPERT_MODES", "check_expert_weight"]
 
@@ -95,9 +95,9 @@ class QuantizedExperts(nn.Module):
             check_int(value, name, minimum=1, owner=_OWNER)
         check_choice(mode, "mode", EXPERT_MODES, owner=_OWNER)
         check_choice(blocksize, "blocksize", _BLOCKSIZES, owner=_OWNER)
-        if compute_dtype is not None and compute_dtype not in _FLOAT_DTYPES:
+        if compute_dtype is not None and compute_dtype not in FLOAT_DTYPES:
             raise ValueError(f"{_OWNER}(compute_dtype={compute_dtype}): must be one of "
-                             f"{', '.join(map(str, _FLOAT_DTYPES))} or None")
+                             f"{', '.join(map(str, FLOAT_DTYPES))} or None")
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.mode, self.compute_dtype, self.blocksize = mode, compute_dtype, blocksize
         self._allocate(device)
@@ -128,8 +128,8 @@ class QuantizedExperts(nn.Module):
         return self.mode.endswith("-dq")
 
     @property
-    def _meta(self) -> _Packed4bit:
-        return _Packed4bit(shape=torch.Size((self.out_features, self.in_features)), blocksize=self.blocksize,
+    def _meta(self) -> Packed4bit:
+        return Packed4bit(shape=torch.Size((self.out_features, self.in_features)), blocksize=self.blocksize,
                            quant_type=self.mode[:3], nested_blocksize=_NESTED_BLOCKSIZE if self.nested else None,
                            nested_dtype=torch.float32 if self.nested else None)
 
@@ -153,7 +153,7 @@ class QuantizedExperts(nn.Module):
         return experts
 
     def _store(self, i: int, w: torch.Tensor) -> None:
-        functional = _bnb().functional
+        functional = import_bitsandbytes().functional
         if self.mode == "int8":  # from float16, as bitsandbytes' and Lightning's int8 layers (CUDA accepts no other)
             w16 = w.to(torch.float16)
             if not torch.isfinite(w16).all():
@@ -205,8 +205,8 @@ class QuantizedExperts(nn.Module):
         e = self._expert(expert)
         with torch.no_grad():
             if self.mode == "int8":
-                return _dequantize_int8(self.weight[e], self.scb[e], dtype)
-            return _dequantize_4bit(self._meta, self._state_tensors(e), dtype)
+                return dequantize_int8(self.weight[e], self.scb[e], dtype)
+            return dequantize_4bit(self._meta, self._state_tensors(e), dtype)
 
     def forward(self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W_expert.T + bias`` in ``x``'s dtype; gradients flow to ``x`` and ``bias``, never to ``W``."""

@@ -57,11 +57,11 @@ __all__ = [
     "NoSaveInt8LinearFunction",
 ]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @functools.lru_cache(maxsize=1)
-def _bnb() -> ModuleType:
+def import_bitsandbytes() -> ModuleType:
     """Import bitsandbytes once, without its welcome banner."""
     os.environ.setdefault("BITSANDBYTES_NOWELCOME", "1")
     import bitsandbytes
@@ -71,7 +71,7 @@ def _bnb() -> ModuleType:
 
 # -- recognising the weight ------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Packed4bit:
+class Packed4bit:
     """The non-tensor half of a 4-bit ``QuantState`` (the tensors travel through ``save_for_backward``)."""
 
     shape: torch.Size
@@ -82,7 +82,7 @@ class _Packed4bit:
 
     def state(self, absmax, code, offset, nested_absmax, nested_code, dtype: torch.dtype, shape=None):
         """A bitsandbytes ``QuantState`` dequantizing straight into ``dtype`` (``shape``: default ``self.shape``)."""
-        qs_cls = _bnb().functional.QuantState
+        qs_cls = import_bitsandbytes().functional.QuantState
         state2 = None
         if self.nested_blocksize is not None:
             state2 = qs_cls(absmax=nested_absmax, code=nested_code, blocksize=self.nested_blocksize,
@@ -148,9 +148,9 @@ def is_quantized(layer_or_weight: Any) -> bool:
     return True
 
 
-def _packed_4bit(weight: torch.Tensor, layer: nn.Module | None) -> tuple[_Packed4bit, tuple]:
+def _packed_4bit(weight: torch.Tensor, layer: nn.Module | None) -> tuple[Packed4bit, tuple]:
     qs = _quant_state(weight, layer)
-    meta = _Packed4bit(
+    meta = Packed4bit(
         shape=torch.Size(qs.shape), blocksize=int(qs.blocksize), quant_type=qs.quant_type,
         nested_blocksize=int(qs.state2.blocksize) if qs.nested else None,
         nested_dtype=qs.state2.dtype if qs.nested else None,
@@ -171,7 +171,7 @@ def saved_weight_tensors(layer_or_weight: Any) -> list[torch.Tensor]:
 
 
 # -- dequantization --------------------------------------------------------------------------------------
-def _dequantize_int8(cb: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_int8(cb: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Row-wise: W[i, :] = CB[i, :] * SCB[i] / 127, computed directly in ``dtype`` (bitsandbytes' public
     # ``int8_vectorwise_dequant`` returns float32, which would double the temporary for 16-bit compute;
     # this is the expression bitsandbytes' own Linear8bitLt backward uses).
@@ -180,11 +180,11 @@ def _dequantize_int8(cb: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype) ->
     return cb.data.to(dtype).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))  # .data: Int8Params overrides .to()
 
 
-def _dequantize_4bit(meta: _Packed4bit, tensors: tuple, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_4bit(meta: Packed4bit, tensors: tuple, dtype: torch.dtype) -> torch.Tensor:
     packed, absmax, code, offset, nested_absmax, nested_code = tensors
     flat = torch.Size((meta.shape.numel(),))  # the flat layout: see the module notes on bitsandbytes' CPU kernel
     state = meta.state(absmax, code, offset, nested_absmax, nested_code, dtype, shape=flat)
-    return _bnb().functional.dequantize_4bit(packed.reshape(-1, 1), state).reshape(meta.shape)
+    return import_bitsandbytes().functional.dequantize_4bit(packed.reshape(-1, 1), state).reshape(meta.shape)
 
 
 def dequantize_weight(layer_or_weight: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -195,9 +195,9 @@ def dequantize_weight(layer_or_weight: Any, dtype: torch.dtype | None = None) ->
     """
     weight, layer = _weight_of(layer_or_weight)
     if _kind(weight, layer) == "int8":
-        return _dequantize_int8(weight.data, _int8_scales(weight, layer), dtype or torch.float32)
+        return dequantize_int8(weight.data, _int8_scales(weight, layer), dtype or torch.float32)
     meta, tensors = _packed_4bit(weight, layer)
-    return _dequantize_4bit(meta, (tensors[0].data, *tensors[1:]), dtype or _quant_state(weight, layer).dtype)
+    return dequantize_4bit(meta, (tensors[0].data, *tensors[1:]), dtype or _quant_state(weight, layer).dtype)
 
 
 # -- autograd functions ----------------------------------------------------------------------------------
@@ -216,10 +216,11 @@ class NoSave4bitLinearFunction(torch.autograd.Function):
     def forward(ctx, x, bias, meta, packed, absmax, code, offset, nested_absmax, nested_code):
         if x.device.type == "cuda":
             state = meta.state(absmax, code, offset, nested_absmax, nested_code, x.dtype)
-            out = _bnb().matmul_4bit(x, packed.view(-1, 1), state, bias=bias)  # grad mode is off: plain kernel
+            # grad mode is off: the plain kernel
+            out = import_bitsandbytes().matmul_4bit(x, packed.view(-1, 1), state, bias=bias)
         else:
             tensors = (packed, absmax, code, offset, nested_absmax, nested_code)
-            out = torch.nn.functional.linear(x, _dequantize_4bit(meta, tensors, x.dtype), bias)
+            out = torch.nn.functional.linear(x, dequantize_4bit(meta, tensors, x.dtype), bias)
         ctx.meta = meta
         ctx.save_for_backward(packed, absmax, code, offset, nested_absmax, nested_code)
         return out
@@ -238,7 +239,7 @@ class NoSave4bitLinearFunction(torch.autograd.Function):
 BACKWARD_CHUNKS = 8  # backward dequantizes the weight in this many row slices: 1/8 of it is dense at a time
 
 
-def _row_step(meta: _Packed4bit) -> int | None:
+def _row_step(meta: Packed4bit) -> int | None:
     """Smallest row count whose elements fill whole quantization blocks (``None``: not row-sliceable)."""
     if len(meta.shape) != 2:
         return None
@@ -247,7 +248,7 @@ def _row_step(meta: _Packed4bit) -> int | None:
     return step if step < out_features else None
 
 
-def _grad_input_4bit(meta: _Packed4bit, tensors: tuple, grad: torch.Tensor) -> torch.Tensor:
+def _grad_input_4bit(meta: Packed4bit, tensors: tuple, grad: torch.Tensor) -> torch.Tensor:
     """``grad @ dequant(W)``, dequantizing ``W`` one slice of rows at a time (the dense copy is a slice).
 
     ``grad @ W = sum_k grad[..., rows_k] @ W[rows_k]``; slices end on quantization-block boundaries, so each
@@ -256,10 +257,10 @@ def _grad_input_4bit(meta: _Packed4bit, tensors: tuple, grad: torch.Tensor) -> t
     step = _row_step(meta)
     packed, absmax, code, offset, nested_absmax, nested_code = tensors
     if step is None or packed.numel() * 2 != meta.shape.numel():
-        w = _dequantize_4bit(meta, tensors, grad.dtype)
+        w = dequantize_4bit(meta, tensors, grad.dtype)
         return torch.matmul(grad, w)
     out_features, in_features = meta.shape
-    bnb_f = _bnb().functional
+    bnb_f = import_bitsandbytes().functional
     if meta.nested_blocksize is not None:  # per-block scales are themselves quantized: expand them once
         absmax = bnb_f.dequantize_blockwise(absmax, absmax=nested_absmax, code=nested_code,
                                             blocksize=meta.nested_blocksize) + offset
@@ -287,7 +288,7 @@ class NoSaveInt8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, cb, scb):
-        w = _dequantize_int8(cb, scb, x.dtype)
+        w = dequantize_int8(cb, scb, x.dtype)
         out = torch.nn.functional.linear(x, w, bias)
         del w
         ctx.save_for_backward(cb, scb)
@@ -299,7 +300,7 @@ class NoSaveInt8LinearFunction(torch.autograd.Function):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             cb, scb = ctx.saved_tensors
-            w = _dequantize_int8(cb, scb, grad.dtype)
+            w = dequantize_int8(cb, scb, grad.dtype)
             grad_x = torch.matmul(grad, w)
             del w
         if ctx.needs_input_grad[1]:
@@ -311,8 +312,8 @@ def _compute_dtype(kind: str, layer: nn.Module | None, x: torch.Tensor, compute_
     if compute_dtype is None and kind == "4bit" and layer is not None:
         compute_dtype = getattr(layer, "compute_dtype", None)
     dtype = compute_dtype or x.dtype
-    if dtype not in _FLOAT_DTYPES:
-        allowed = ", ".join(map(str, _FLOAT_DTYPES))
+    if dtype not in FLOAT_DTYPES:
+        allowed = ", ".join(map(str, FLOAT_DTYPES))
         raise ValueError(f"compute_dtype={dtype} is not supported; allowed: {allowed}")
     return dtype
 

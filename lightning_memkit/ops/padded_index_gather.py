@@ -34,7 +34,7 @@ import os
 import torch
 from torch.autograd.function import once_differentiable
 
-from lightning_memkit.validation import check_choice, check_int
+from lightning_memkit.common.validation import check_choice, check_int
 
 __all__ = ["padded_index_gather", "padded_rows", "BACKENDS"]
 

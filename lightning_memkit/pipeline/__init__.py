@@ -1,4 +1,5 @@
-"""pipeline."""
+"""Pipeline parallelism, pure torch: the per-layer cost model, the memory-balanced partition, the runtime over
+``torch.distributed.pipelining``, gradient sync and sharding, and crash-consistent sharded checkpoints."""
 
 from lightning_memkit.pipeline.cost import (
     SCHEDULES,

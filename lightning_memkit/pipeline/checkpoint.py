@@ -46,9 +46,9 @@ from typing import IO, Any
 
 import torch
 
-from lightning_memkit.memory.storage import unique_storage_bytes
+from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.storage import unique_storage_bytes
 from lightning_memkit.pipeline import writer_lock
-from lightning_memkit.validation import check_int
 
 __all__ = [
     "CheckpointError",

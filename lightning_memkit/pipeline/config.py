@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from lightning_memkit.common.validation import ArgumentTypeError, check_bool, check_choice, check_int, check_number
 from lightning_memkit.pipeline.cost import SCHEDULES, resolve_stages_per_rank
-from lightning_memkit.validation import ArgumentTypeError, check_bool, check_choice, check_int, check_number
 
 __all__ = ["PipelineConfig", "PARTITION_METHODS", "DATA_PARALLEL", "DEFAULT_TIMEOUT", "schedule_class"]
 

@@ -54,11 +54,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit.memory.live_peak import LivePeak
-from lightning_memkit.memory.saved_tensors import SavedTensorRecorder
-from lightning_memkit.memory.storage import iter_tensors, unique_storage_bytes
-from lightning_memkit.pipeline.gradients import _BUCKET_BYTES
-from lightning_memkit.validation import check_int
+from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.live_peak import LivePeak
+from lightning_memkit.measure.saved_tensors import SavedTensorRecorder
+from lightning_memkit.measure.storage import iter_tensors, unique_storage_bytes
+from lightning_memkit.pipeline.gradients import BUCKET_BYTES
 
 __all__ = [
     "SCHEDULES",
@@ -412,7 +412,7 @@ def allreduce_buffer_bytes(
     largest_grad_bytes: int = 0,
     *,
     data_parallel_size: int,
-    bucket_bytes: int = _BUCKET_BYTES,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> int:
     """Largest flat buffer that averaging a rank's gradients over ``data_parallel_size`` replicas allocates.
 
@@ -559,7 +559,7 @@ def measure_layer_costs(
 
     Each layer runs forward once on the previous layer's output (detached, as a pipeline stage receives
     it; a tuple is passed as positional arguments, as :class:`~lightning_memkit.pipeline.runtime.LayerChain`
-    does) under :class:`~lightning_memkit.memory.saved_tensors.SavedTensorRecorder`, which reports the bytes
+    does) under :class:`~lightning_memkit.measure.saved_tensors.SavedTensorRecorder`, which reports the bytes
     kept for backward; then backward runs under :class:`~lightning_memkit.memory.LivePeak` to measure the
     transient workspace: the peak above the bytes alive when backward starts, net of the saved activations
     backward frees on the way (LivePeak also tracks the forward). With ``loss_fn`` (called as

@@ -27,12 +27,12 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_memkit.common.validation import check_int, check_number
 from lightning_memkit.pipeline.sharding import local
-from lightning_memkit.validation import check_int, check_number
 
 __all__ = ["average_gradients", "broadcast_tensors", "clip_global_norm", "sum_gradients"]
 
-_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
 def _distributed(group) -> bool:
@@ -54,7 +54,7 @@ def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> Iterable[list[
         yield bucket
 
 
-def average_gradients(params: Iterable[torch.Tensor], group=None, *, bucket_bytes: int = _BUCKET_BYTES) -> None:
+def average_gradients(params: Iterable[torch.Tensor], group=None, *, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Replace each ``p.grad`` by its mean over the ranks of ``group`` (parameters without a gradient are skipped).
 
     Every rank of ``group`` must pass the same parameters in the same order (the replicas of one stage).

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_memkit.common.validation import check_int
 from lightning_memkit.pipeline.cost import (
     LayerCost,
     as_layer_costs,
@@ -68,8 +69,7 @@ from lightning_memkit.pipeline.cost import (
     resolve_stages_per_rank,
     stage_to_rank,
 )
-from lightning_memkit.pipeline.gradients import _BUCKET_BYTES
-from lightning_memkit.validation import check_int
+from lightning_memkit.pipeline.gradients import BUCKET_BYTES
 
 __all__ = [
     "Partition",
@@ -181,7 +181,7 @@ def stage_cost_matrix(
     microbatches: int,
     *,
     data_parallel_size: int = 1,
-    bucket_bytes: int = _BUCKET_BYTES,
+    bucket_bytes: int = BUCKET_BYTES,
     sharded: bool = False,
 ) -> torch.Tensor:
     """``C[a, b]``: predicted peak bytes of ``stage`` owning layers ``[a, b)`` (float64; ``inf`` where ``a >= b``).
@@ -285,7 +285,7 @@ def _range_max(values: Sequence[int]) -> torch.Tensor:
     return out
 
 
-def _matrices(layers, num_stages, inflight, microbatches, dp=1, bucket=_BUCKET_BYTES, sharded=False
+def _matrices(layers, num_stages, inflight, microbatches, dp=1, bucket=BUCKET_BYTES, sharded=False
               ) -> list[torch.Tensor]:
     return [
         stage_cost_matrix(layers, s, num_stages, inflight[s], microbatches, data_parallel_size=dp, bucket_bytes=bucket,
@@ -294,7 +294,7 @@ def _matrices(layers, num_stages, inflight, microbatches, dp=1, bucket=_BUCKET_B
     ]
 
 
-def _finish(layers, boundaries, v, schedule, microbatches, inflight, ranks, method, dp=1, bucket=_BUCKET_BYTES,
+def _finish(layers, boundaries, v, schedule, microbatches, inflight, ranks, method, dp=1, bucket=BUCKET_BYTES,
             sharded=False) -> Partition:
     mats = _matrices(layers, len(boundaries) - 1, inflight, microbatches, dp, bucket, sharded)
     stage_peaks = tuple(int(mats[s][boundaries[s], boundaries[s + 1]]) for s in range(len(boundaries) - 1))
@@ -338,7 +338,7 @@ def evaluate_partition(
     stages_per_rank: int | None = None,
     method: str = "given",
     data_parallel_size: int = 1,
-    bucket_bytes: int = _BUCKET_BYTES,
+    bucket_bytes: int = BUCKET_BYTES,
     sharded: bool = False,
 ) -> Partition:
     """The :class:`Partition` (with predicted peaks) of a given split ``sizes`` (layers per stage).
@@ -480,7 +480,7 @@ def partition_layers(
     max_bytes_per_rank: int | None = None,
     stages_per_rank: int | None = None,
     data_parallel_size: int = 1,
-    bucket_bytes: int = _BUCKET_BYTES,
+    bucket_bytes: int = BUCKET_BYTES,
     sharded: bool = False,
 ) -> Partition:
     """The contiguous split of ``costs`` into ``num_stages`` stages with the smallest largest per-rank peak.
@@ -543,7 +543,7 @@ def uniform_partition(
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
     data_parallel_size: int = 1,
-    bucket_bytes: int = _BUCKET_BYTES,
+    bucket_bytes: int = BUCKET_BYTES,
     sharded: bool = False,
 ) -> Partition:
     """Equal layer counts per stage (the first ``L mod N`` stages get one more), scored with the memory model."""
@@ -564,7 +564,7 @@ def parameter_balanced_partition(
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
     data_parallel_size: int = 1,
-    bucket_bytes: int = _BUCKET_BYTES,
+    bucket_bytes: int = BUCKET_BYTES,
     sharded: bool = False,
 ) -> Partition:
     """The split with the smallest largest per-*stage* trainable-parameter bytes, scored with the memory model.

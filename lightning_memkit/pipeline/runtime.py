@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_memkit.common.validation import check_int
 from lightning_memkit.pipeline.config import schedule_class
 from lightning_memkit.pipeline.cost import LayerCost, measure_layer_costs, static_cost
 from lightning_memkit.pipeline.partition import Partition
-from lightning_memkit.validation import check_int
 
 __all__ = [
     "BatchLoss",

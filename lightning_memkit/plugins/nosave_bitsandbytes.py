@@ -44,6 +44,7 @@ from lightning.fabric.plugins.precision import bitsandbytes as _fabric_bnb
 from lightning.pytorch.plugins.precision.precision import Precision
 from torch import nn
 
+from lightning_memkit.common.validation import check_choice
 from lightning_memkit.hf.qlora import (
     check_experts,
     expert_modules,
@@ -51,10 +52,9 @@ from lightning_memkit.hf.qlora import (
     output_embedding_names,
     prepare_experts,
 )
-from lightning_memkit.memory.report import logical_numel, parameter_storage_bytes
-from lightning_memkit.ops.lora import LoRAAdapter, check_lora_args, freeze_base_
-from lightning_memkit.ops.nosave_matmul import nosave_linear
-from lightning_memkit.validation import check_choice
+from lightning_memkit.measure.report import logical_numel, parameter_storage_bytes
+from lightning_memkit.ops.lora import check_lora_args, freeze_base_
+from lightning_memkit.plugins.nosave_linear import NoSaveLinearMixin
 
 __all__ = ["NoSaveBitsandbytesPrecision", "MODES"]
 
@@ -77,57 +77,7 @@ _LAYERS = {
 
 
 # -- layer classes ---------------------------------------------------------------------------------------
-def _quantize_device(layer: nn.Module, weight: torch.Tensor | None, device: Any) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    for t in (layer.weight, weight):
-        if t is not None and t.device.type != "meta":
-            return t.device
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-class _NoSaveLinearMixin:
-    """Forward through :func:`nosave_linear` (+ the LoRA update when the layer has one)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = nosave_linear(x, self)
-        lora = self._modules.get("lora")
-        return out if lora is None else out + lora(x)
-
-    def quantize_(self, weight: torch.Tensor | None = None, device: Any = None) -> None:
-        """Quantize in place on ``device`` (default: where the weight is; Lightning's default is CUDA).
-
-        ``weight`` (a state dict's, through Lightning's load hook) must be unquantized: packed bytes would be
-        quantized again as if they were values.
-        """
-        if weight is not None and not weight.is_floating_point():
-            raise ValueError(
-                f"{type(self).__name__}: cannot load a {weight.dtype} weight of shape {tuple(weight.shape)}: it is "
-                "already quantized (a state dict of a converted model); load the unquantized weights, or load the "
-                "state dict into the model before the plugin converts it"
-            )
-        super().quantize_(weight, _quantize_device(self, weight, device))
-
-    @property
-    def is_quantized(self) -> bool:
-        return self.weight.dtype in (torch.uint8, torch.int8) or bool(getattr(self.weight, "bnb_quantized", False))
-
-    def freeze_base(self) -> None:
-        """Freeze the quantized weight and the bias (Lightning's 4-bit conversion already freezes the bias)."""
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
-
-    def add_lora(self, rank: int, alpha: float = 16, dropout: float = 0.0) -> LoRAAdapter:
-        """Attach a trainable LoRA adapter (once) and freeze the layer's own parameters."""
-        if self._modules.get("lora") is None:
-            device = self.weight.device if self.weight.device.type != "meta" else torch.device("cpu")
-            self.lora = LoRAAdapter(self.in_features, self.out_features, rank, alpha, dropout, device=device)
-        self.freeze_base()
-        return self.lora
-
-
-class _NoSave4bitMixin(_NoSaveLinearMixin):
+class _NoSave4bitMixin(NoSaveLinearMixin):
     @staticmethod
     def quantize(params4bit, weight: torch.Tensor, device: torch.device | None):
         if device is None or device.type == "cuda":
@@ -144,7 +94,7 @@ class _NoSave4bitMixin(_NoSaveLinearMixin):
         return _fabric_bnb._replace_param(params4bit, w_4bit, quant_state)
 
 
-class _NoSaveInt8Mixin(_NoSaveLinearMixin):
+class _NoSaveInt8Mixin(NoSaveLinearMixin):
     @staticmethod
     def quantize(int8params, weight: torch.Tensor, device: torch.device | None):
         if device is None or device.type == "cuda":

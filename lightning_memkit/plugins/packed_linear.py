@@ -26,15 +26,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_memkit.ops.nosave_matmul import _bnb
-from lightning_memkit.plugins.nosave_bitsandbytes import _NoSaveLinearMixin
+from lightning_memkit.ops.nosave_matmul import import_bitsandbytes
+from lightning_memkit.plugins.nosave_linear import NoSaveLinearMixin
 
 __all__ = ["PackedLinear", "BLOCKSIZE"]
 
 BLOCKSIZE = 64  # bitsandbytes' Params4bit default, which Lightning's 4-bit layers keep
 
 
-class PackedLinear(_NoSaveLinearMixin, nn.Module):
+class PackedLinear(NoSaveLinearMixin, nn.Module):
     """A frozen quantized ``Linear``: packed ``weight`` (with ``quant_state`` or ``SCB``), ``bias``, optional ``lora``.
 
     Build it with :meth:`from_linear`. The forward, ``freeze_base`` and ``add_lora`` are those of the plugin's
@@ -52,7 +52,7 @@ class PackedLinear(_NoSaveLinearMixin, nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, dtype: torch.dtype) -> PackedLinear:
         """Quantize ``linear``'s weight as the plugin's ``mode`` layer would (from float16, as Lightning does)."""
-        functional = _bnb().functional
+        functional = import_bitsandbytes().functional
         w = linear.weight.detach().to(torch.float16)
         if mode == "int8":
             cb, scb, _ = functional.int8_vectorwise_quant(w)

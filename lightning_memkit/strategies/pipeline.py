@@ -59,6 +59,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_memkit.common.progress import WorkProgress, progress_enabled
+from lightning_memkit.common.validation import check_choice
 from lightning_memkit.pipeline import (
     Partition,
     evaluate_partition,
@@ -84,9 +86,7 @@ from lightning_memkit.pipeline.runtime import (
     split_batch_size,
 )
 from lightning_memkit.pipeline.sharding import full_state, reshard_optimizer_state, shard_stage_modules
-from lightning_memkit.progress import WorkProgress, progress_enabled
 from lightning_memkit.strategies.process_group import ProcessGroupStrategy
-from lightning_memkit.validation import check_choice
 
 __all__ = ["MemkitPipelineStrategy", "load_pipeline_state_dict", "PROTOCOL"]
 

@@ -14,9 +14,9 @@ from torch._dynamo.backends.registry import lookup_backend
 from lightning_memkit.callbacks import ActivationCheckpointing, activation_checkpointing
 from lightning_memkit.demo import TinyLM
 from lightning_memkit.demo.tiny_lm import Block
+from lightning_memkit.measure.allocator_peak import AllocatorPeak
 from lightning_memkit.memory import LivePeak, checkpoint_modules, is_checkpointed
-from lightning_memkit.memory.allocator_peak import AllocatorPeak
-from lightning_memkit.memory.checkpoint_plan import RecomputeCostMeter, mixed_peak
+from lightning_memkit.recompute.plan import RecomputeCostMeter, mixed_peak
 
 SEQ = 32
 

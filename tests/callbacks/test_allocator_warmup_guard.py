@@ -8,7 +8,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_memkit.callbacks import AllocatorWarmupGuard
-from lightning_memkit.memory.allocator_warmup import ENV_VAR
+from lightning_memkit.loading.allocator_warmup import ENV_VAR
 
 _FAKE_SOURCE = """
 calls = []

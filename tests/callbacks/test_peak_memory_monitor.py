@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, is_in_torch_dispatch_mode
 
 from lightning_memkit.callbacks import PeakMemoryMonitor, SavedTensorProfiler
+from lightning_memkit.measure import live_peak as live_peak_module
 from lightning_memkit.memory import LivePeak
-from lightning_memkit.memory import live_peak as live_peak_module
 
 N = 4096  # bytes the step of AllocatingModule allocates per batch index
 

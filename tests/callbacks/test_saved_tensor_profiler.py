@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_memkit.callbacks import SavedTensorProfiler
-from lightning_memkit.memory import live_peak as live_peak_module
+from lightning_memkit.measure import live_peak as live_peak_module
 from lightning_memkit.memory import profile_saved_tensors
 
 

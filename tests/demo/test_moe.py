@@ -70,7 +70,7 @@ def test_example_config_builds_model_data_and_callback(tmp_path):
     from pathlib import Path
 
     from lightning_memkit.callbacks import StageBoundaryRelease
-    from lightning_memkit.cli import MemkitCLI
+    from lightning_memkit.config.lightning_cli import MemkitCLI
 
     config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_moe.yaml"
     cli = MemkitCLI(args=["--config", str(config), "--trainer.default_root_dir", str(tmp_path),

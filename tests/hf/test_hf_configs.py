@@ -7,7 +7,7 @@ import yaml
 
 pytest.importorskip("transformers")
 
-from lightning_memkit.cli import main  # noqa: E402
+from lightning_memkit.cli.main import main
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("hf_*.yaml"))
 

@@ -289,7 +289,7 @@ def test_strategy_finds_the_hf_model_or_says_what_is_missing():
 
 
 def test_example_config_builds_through_lightning_cli(tmp_path):
-    from lightning_memkit.cli import MemkitCLI
+    from lightning_memkit.config.lightning_cli import MemkitCLI
 
     config = ROOT / "examples" / "configs" / "hf_llama_pipeline.yaml"
     cli = MemkitCLI(args=["--config", str(config), "--trainer.default_root_dir", str(tmp_path)], run=False)

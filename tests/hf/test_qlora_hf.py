@@ -345,7 +345,7 @@ def test_trainer_fits_only_the_adapters(family):
 
 
 def test_shipped_config_trains_qwen3_moe_qlora(tmp_path):
-    from lightning_memkit.cli import LossTracker, MemkitCLI
+    from lightning_memkit.config.lightning_cli import LossTracker, MemkitCLI
 
     overrides = {"trainer.max_steps": 40, "trainer.enable_progress_bar": False, "trainer.logger": False,
                  "trainer.default_root_dir": str(tmp_path)}

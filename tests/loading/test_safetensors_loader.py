@@ -12,7 +12,8 @@ from torch import nn
 from lightning_memkit.loading import dequantize_mxfp4, load_mxfp4_into
 from lightning_memkit.loading.mxfp4 import _Tables, chunk_transient_bytes
 from lightning_memkit.loading.safetensors_loader import _Reader, read_safetensors_header
-from lightning_memkit.memory import LivePeak, host_rss
+from lightning_memkit.measure import host_rss
+from lightning_memkit.memory import LivePeak
 
 LAYERS, E, H, INTER, VOCAB = 3, 2, 64, 32, 48
 ROWS = 8  # rows_per_chunk used in the bounds below

@@ -154,9 +154,9 @@ def _overhead(fn, x, w, grads):
     return lp.peak_bytes - grads
 
 
-@pytest.mark.parametrize("reduction, fraction", [("mean", 1 / 3), ("none", 1 / 10)])
-def test_auto_chunk_is_a_fraction_of_the_gradients(reduction, fraction):
-    n, h, v = 1200, 256, 16000
+@pytest.mark.parametrize("reduction, fraction, h", [("mean", 1 / 5, 256), ("mean", 1 / 5, 512), ("none", 1 / 8, 256)])
+def test_auto_chunk_is_a_fraction_of_the_gradients(reduction, fraction, h):
+    n, v = 1200, 16000
     x = torch.randn(n, h, requires_grad=True)
     w = (torch.randn(v, h) / h**0.5).requires_grad_()
     target = make_target(n, v)
@@ -164,11 +164,32 @@ def test_auto_chunk_is_a_fraction_of_the_gradients(reduction, fraction):
     rows = int(fraction * grads) // (v * 4)
     if rows >= 32:  # multiples of 16 from 32 rows up
         rows -= rows % 16
-    if reduction != "none":  # at least 448 rows (tall GEMMs) for the scalar reductions
+    # the scalar reductions: at least 448 rows (tall GEMMs) where 448 rows of logits cost at most dW + dx (H=512
+    # here: 28.7 MB against 35.2 MB; H=256: against 17.6 MB, so the chunk stays at the budget, 48 rows)
+    if reduction != "none" and 448 * v * 4 <= grads:
         rows = max(rows, 448)
+    assert rows == {256: 32 if reduction == "none" else 48, 512: 448}[h]
     small = 16 * n * 4 + 2 * v * 4 + 4096  # per-token and per-class vectors and scalars
     overhead = _overhead(lambda: linear_cross_entropy(x, w, target, reduction=reduction), x, w, grads)
     assert rows * v * 4 <= overhead <= rows * v * 4 + small
+
+
+def test_auto_chunk_of_a_narrow_head_is_a_fifth_of_the_gradients():
+    """The benchmark's narrow-head case (N=2048 H=256 V=16,384 fp32, 20% of targets ignored): 448 rows of logits
+    (28 MiB) would cost more than dW + dx (18 MiB), so the chunk is the budget's 48 rows (3 MiB), under a quarter of
+    the second dW + dx that torch's chunked path allocates."""
+    from lightning_memkit.ops._cross_entropy_common import CrossEntropyOptions
+    from lightning_memkit.ops.linear_cross_entropy import chunk_plan
+
+    n, h, v = 2048, 256, 16384
+    x = torch.randn(n, h, requires_grad=True)
+    w = (torch.randn(v, h) / h**0.5).requires_grad_()
+    target = make_target(n, v, ignore_frac=0.2)
+    grads = (v * h + n * h) * 4  # 18 MiB
+    assert chunk_plan(x, w, n, CrossEntropyOptions(), "torch", "auto", None).rows == 48
+    overhead = _overhead(lambda: linear_cross_entropy(x, w, target), x, w, grads)
+    assert 48 * v * 4 <= overhead <= 48 * v * 4 + 16 * n * 4 + 4096  # 3 MiB of logits + per-token vectors
+    assert overhead <= grads / 4
 
 
 def test_auto_chunk_takes_at_most_a_quarter_of_free_memory(monkeypatch):
@@ -176,7 +197,7 @@ def test_auto_chunk_takes_at_most_a_quarter_of_free_memory(monkeypatch):
 
     lce_module = importlib.import_module("lightning_memkit.ops.linear_cross_entropy")
 
-    n, h, v = 1200, 256, 16000
+    n, h, v = 1200, 512, 16000  # the 448-row floor applies (see above), but a quarter of the free memory holds 48
     x = torch.randn(n, h, requires_grad=True)
     w = (torch.randn(v, h) / h**0.5).requires_grad_()
     target = make_target(n, v)

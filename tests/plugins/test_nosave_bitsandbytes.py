@@ -255,7 +255,7 @@ def test_trainer_accepts_the_plugin_on_cpu():
 # -- the example config ----------------------------------------------------------------------------------
 def test_tiny_lm_qlora_config_trains_and_saves_no_dequantized_weight(tmp_path):
     from lightning_memkit.callbacks import SavedTensorProfiler
-    from lightning_memkit.cli import LossTracker, MemkitCLI
+    from lightning_memkit.config.lightning_cli import LossTracker, MemkitCLI
 
     overrides = {
         "trainer.max_steps": 16, "trainer.limit_val_batches": 0, "trainer.enable_progress_bar": False,

@@ -7,7 +7,7 @@ import torch
 
 from lightning_memkit.demo import TinyLM
 from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
-from lightning_memkit.memory.estimate_trace import fake_tensors
+from lightning_memkit.estimate.trace import fake_tensors
 from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
 from lightning_memkit.plugins.packed_linear import PackedLinear
 

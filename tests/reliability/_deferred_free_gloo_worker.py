@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_memkit.memory import DeferredFree, UnsafeReleaseError
-from lightning_memkit.memory.storage_release import is_released
+from lightning_memkit.release.storage_release import is_released
 
 
 def main() -> None:

@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import pytest
 
+from lightning_memkit.loading.allocator_warmup import ENV_VAR
 from lightning_memkit.memory import effective_device_memory, guard_allocator_warmup
-from lightning_memkit.memory.allocator_warmup import ENV_VAR
 
 TIMEOUT = 20.0
 
-# A stand-in for transformers.modeling_utils, as in tests/memory/test_allocator_warmup.py, with a hook the
+# A stand-in for transformers.modeling_utils, as in tests/loading/test_allocator_warmup.py, with a hook the
 # test uses to stop a thread inside the warmup call (after the guard's wrapper has run, before the byte
 # counter is read, and again after it was read).
 _FAKE_SOURCE = """

@@ -1,13 +1,13 @@
-"""Argument checks of the ops, loaders and plugin go through lightning_memkit.validation: one message format."""
+"""Argument checks of the ops, loaders and plugin go through lightning_memkit.common.validation: one message format."""
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from lightning_memkit.common.validation import ArgumentTypeError
 from lightning_memkit.loading import dequantize_mxfp4, load_mxfp4_into
 from lightning_memkit.ops import cross_entropy, padded_index_gather
-from lightning_memkit.validation import ArgumentTypeError
 
 BLOCKS = torch.zeros(2, 4, 1, 16, dtype=torch.uint8)
 SCALES = torch.full((2, 4, 1), 127, dtype=torch.uint8)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_memkit.memory import PoisonedReadError, poison_guard, release_storage
-from lightning_memkit.memory.storage_release import poison_enabled
+from lightning_memkit.release.storage_release import poison_enabled
 
 
 @pytest.mark.parametrize("read", ["tolist", "numpy", "item", "__array__", "sum"])

@@ -10,8 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_memkit.memory import DeferredFree, UnsafeReleaseError, release_storage, storage_release
-from lightning_memkit.memory.storage_release import is_released
+from lightning_memkit.memory import DeferredFree, UnsafeReleaseError, release_storage
+from lightning_memkit.release import storage_release
+from lightning_memkit.release.storage_release import is_released
 
 REGISTRY: list[torch.Tensor] = []
 LAST_ERROR: list[str] = []  # a module-level container: a holder the caller does not own

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from lightning_memkit.common.validation import ArgumentTypeError
 from lightning_memkit.loading import dequantize_mxfp4, stream_dequantize
-from lightning_memkit.validation import ArgumentTypeError
 
 
 def _state_dict():

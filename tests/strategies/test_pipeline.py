@@ -121,7 +121,7 @@ def test_module_without_the_layer_protocol_is_refused():
 
 
 def test_example_config_builds_the_strategy_through_lightning_cli(tmp_path):
-    from lightning_memkit.cli import MemkitCLI
+    from lightning_memkit.config.lightning_cli import MemkitCLI
 
     config = ROOT / "examples" / "configs" / "tiny_lm_pipeline.yaml"
     cli = MemkitCLI(args=["--config", str(config), "--trainer.default_root_dir", str(tmp_path)], run=False)
@@ -202,7 +202,7 @@ def test_the_mesh_yaml_of_the_docs_builds_a_2x2_mesh_through_lightning_cli(tmp_p
 
     import yaml
 
-    from lightning_memkit.cli import MemkitCLI
+    from lightning_memkit.config.lightning_cli import MemkitCLI
 
     page = (ROOT / "docs" / "pipeline.md").read_text()
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", page, re.S) if "pipeline_parallel_size" in b)

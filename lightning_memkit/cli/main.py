@@ -1,0 +1,116 @@
+"""The ``memkit`` command: the subcommand table and the dispatch; each subcommand is one thin module.
+
+``fit``, ``validate``, ``test`` and ``predict`` run :class:`~lightning_memkit.config.lightning_cli.MemkitCLI`
+(Lightning's CLI, with the memory report after ``fit``); ``memkit compare`` is
+:func:`lightning_memkit.cli.compare.main`, ``memkit estimate`` :func:`lightning_memkit.cli.estimate.main`.
+
+A bad configuration value is a :class:`~lightning_memkit.config.errors.ConfigError`: ``memkit`` prints it on
+one or two lines, naming the key and what is allowed, and exits with status 2; so do a ``--config`` file that
+is not YAML (one line naming the file, line and column) and an unknown subcommand (one line listing them).
+``--debug`` (anywhere on the command line) or the environment variable ``MEMKIT_DEBUG=1`` shows the full
+traceback instead. Errors raised while training always show their traceback.
+
+Usage::
+
+    memkit fit --config examples/configs/tiny_lm.yaml
+    memkit fit --config examples/configs/tiny_lm.yaml --trainer.max_steps 20 --model.n_layers 2
+    memkit test --config examples/configs/tiny_lm.yaml --trainer.limit_test_batches 2
+    memkit --help     # every subcommand, one line each
+    memkit fit --help
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from lightning.pytorch.cli import ArgsType
+
+from lightning_memkit.config.errors import ConfigError
+
+__all__ = ["SUBCOMMANDS", "main", "usage"]
+
+
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("MEMKIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+SUBCOMMANDS = {
+    "fit": "train, then print the memory report (step peaks, saved tensors, first and last loss)",
+    "validate": "one evaluation epoch over the validation set",
+    "test": "one evaluation epoch over the test set",
+    "predict": "run inference and print the kind and shape of what was predicted",
+    "compare": "train a config without and with its memkit memory features: peak bytes per phase",
+    "estimate": "predict the device memory of a training step, nothing allocated",
+}
+
+
+def usage() -> str:
+    """The help of ``memkit`` itself: every subcommand, one line each."""
+    width = max(map(len, SUBCOMMANDS))
+    return "\n".join([
+        "usage: memkit <subcommand> [--config CONFIG] [--key value ...] [--debug]", "", "subcommands:",
+        *(f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()), "",
+        "`memkit <subcommand> --help` lists a subcommand's options; --debug (or MEMKIT_DEBUG=1) shows the full "
+        "traceback of a configuration error.",
+    ])
+
+
+def _check_subcommand(argv: list[str]) -> None:
+    """Print :func:`usage` for ``memkit`` (exit 2) and ``memkit --help`` (exit 0); refuse an unknown subcommand."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        raise SystemExit(0 if argv else 2)
+    leading_options = argv[0].startswith("-")  # `memkit --config C fit`: Lightning's top-level options
+    if argv[0] in SUBCOMMANDS or (leading_options and any(a in SUBCOMMANDS for a in argv)):
+        return
+    got = "no subcommand given" if leading_options else f"unknown subcommand {argv[0]!r}"
+    raise ConfigError(f"{got}; choose from {', '.join(SUBCOMMANDS)} (memkit --help)", hint=False)
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of the ``memkit`` console script; ``args`` as for ``LightningCLI`` (default: ``sys.argv[1:]``).
+
+    ``memkit compare ...`` goes to :func:`lightning_memkit.cli.compare.main`, ``memkit estimate ...`` to
+    :func:`lightning_memkit.cli.estimate.main`, the other :data:`SUBCOMMANDS` to :class:`MemkitCLI`; ``memkit``
+    alone (on stderr, exit 2) and ``memkit --help`` print :func:`usage`, an unknown subcommand is an error.
+    A :class:`ConfigError` prints ``memkit: error: ...`` on stderr and exits with status 2, unless ``--debug``
+    is given (removed before parsing) or ``MEMKIT_DEBUG=1`` is set: then it propagates with its traceback.
+    """
+    from_sys = args is None
+    argv = [str(a) for a in (sys.argv[1:] if from_sys else args)]
+    debug = _debug_requested(argv)
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        if from_sys:  # processes that Lightning launches re-run sys.argv: they learn of --debug from the env
+            sys.argv[1:] = argv
+            os.environ["MEMKIT_DEBUG"] = "1"
+    try:
+        _check_subcommand(argv)
+        _run_subcommand(argv, from_sys)
+    except ConfigError as err:
+        if debug:
+            raise
+        command = f"memkit {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "memkit"
+        print(f"{command}: error: {err}", file=sys.stderr)
+        if getattr(err, "hint", True):
+            print(f"  see `{command} --help` for the accepted options; add --debug for the full traceback",
+                  file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run_subcommand(argv: list[str], from_sys: bool) -> None:
+    if argv[0] == "compare":
+        from lightning_memkit.cli.compare import main as compare_main
+
+        compare_main(argv[1:])
+    elif argv[0] == "estimate":
+        from lightning_memkit.cli.estimate import main as estimate_main
+
+        estimate_main(argv[1:])
+    else:
+        from lightning_memkit.config.lightning_cli import MemkitCLI
+
+        MemkitCLI(args=None if from_sys else argv)

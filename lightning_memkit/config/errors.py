@@ -1,0 +1,198 @@
+"""Configuration mistakes in one line: :class:`ConfigError` and the words for a parser's or constructor's error.
+
+A bad configuration value (unknown key, wrong type, bad ``class_path``, or a ``ValueError``/``TypeError``
+raised by a constructor) becomes a :class:`ConfigError` naming the key and what is allowed; a ``--config``
+file that is not YAML names the file, line and column (:func:`check_config_syntax`). ``memkit`` prints it on
+one or two lines and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+__all__ = ["CONSTRUCTION_ERRORS", "LEAF_SPEC_WARNING", "ConfigError", "check_config_syntax", "class_name",
+           "describe_config_error", "describe_yaml_error"]
+
+
+class ConfigError(ValueError):
+    """A bad value in a ``memkit`` configuration; the message names the key and what is allowed.
+
+    Example::
+
+        >>> from lightning_memkit.config.errors import ConfigError, describe_config_error
+        >>> try:
+        ...     raise ValueError("TinyLM(n_layers=-1): must be an int >= 1")
+        ... except ValueError as err:
+        ...     print(describe_config_error(err, {"model": {"class_path": "lightning_memkit.demo.TinyLM"}}))
+        model.init_args.n_layers: TinyLM(n_layers=-1): must be an int >= 1
+        >>> issubclass(ConfigError, ValueError)
+        True
+
+    ``hint=False``: ``memkit`` prints the message alone, without the line pointing to ``--help``.
+    """
+
+    def __init__(self, message: str, *, hint: bool = True) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+# errors raised while building the objects of a configuration (not while running them)
+CONSTRUCTION_ERRORS = (ValueError, TypeError, ImportError, AttributeError, MisconfigurationException)
+
+
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+
+
+_CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
+
+
+_OWNER = re.compile(r"^(\w+)\((\w+)=")
+
+
+_NOISE = re.compile(
+    r"^\s*(- )?(Expected a <class 'NoneType'>|Given value|Subtypes:|Does not validate|Errors:|Not a valid subclass"
+    r"|Subclass types expect|- a |Problem with given class_path|Parser key)"
+)
+
+
+LEAF_SPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and its causes, outermost first."""
+    out: list[BaseException] = []
+    while err is not None and all(err is not e for e in out):
+        out.append(err)
+        err = err.__cause__ or err.__context__
+    return out
+
+
+def _root_message(err: BaseException) -> str:
+    """The meaningful lines of ``err`` on one line, jsonargparse's union bookkeeping dropped."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip() and not _NOISE.match(ln)]
+    text = " ".join(lines) or type(err).__name__
+    text = re.sub(r"Expected an? <class '([\w.]+)'>", r"expected \1", text)
+    return re.sub(r"<class '([\w.]+)'>", r"\1", text)
+
+
+def _init_args(class_path: str) -> list[str]:
+    """Names of the ``__init__`` arguments of ``class_path`` (empty where it cannot be imported)."""
+    import inspect
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        params = inspect.signature(cls.__init__).parameters.values()
+    except Exception:  # noqa: BLE001 - only a hint in an error message
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _owner_key(config: Any, class_name: str, prefix: str = "") -> str | None:
+    """Dotted path in ``config`` (nested dicts/lists) of the entry whose ``class_path`` names ``class_name``."""
+    if isinstance(config, dict):
+        path = config.get("class_path")
+        if isinstance(path, str) and path.rpartition(".")[2] == class_name:
+            return prefix
+        items = config.items()
+    elif isinstance(config, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(config))
+    else:
+        return None
+    for k, v in items:
+        key = f"{prefix}{k}" if str(k).startswith("[") else f"{prefix}.{k}" if prefix else str(k)
+        found = _owner_key(v, class_name, key)
+        if found is not None:
+            return found
+    return None
+
+
+def describe_config_error(err: BaseException, config: Any = None) -> str:
+    """One line naming the configuration key behind ``err`` and what went wrong (see :class:`ConfigError`).
+
+    ``config``: the parsed configuration as nested dicts, to find the key of a class whose constructor raised.
+    """
+    chain = _chain(err)
+    outer = str(chain[0])
+    keys = list(dict.fromkeys(_PARSER_KEY.findall(outer)))
+    root = _root_message(chain[-1])
+    class_path = next((m.group(1) for e in chain if (m := _CLASS_PATH.search(str(e)))), None)
+    if class_path and "is not accepted" in root:
+        accepted = _init_args(class_path)
+        root += f" by {class_path}" + (f"; accepted: {', '.join(accepted)}" if accepted else "")
+    elif class_path and isinstance(chain[-1], (ImportError, AttributeError)):
+        root = f"class_path {class_path!r} cannot be imported: {root}"
+    key = ".".join(keys)
+    owner = _OWNER.match(root)
+    if not key and owner and config is not None:
+        found = _owner_key(config, owner.group(1))
+        key = f"{found}.init_args.{owner.group(2)}" if found else ""
+    return f"{key}: {root}" if key else root
+
+
+def check_config_syntax(args: Any) -> None:
+    """Refuse a ``--config``/``-c`` file of the command line ``args`` that is not YAML: a one-line
+    :class:`ConfigError` naming the file, line and column (the parser's own message names ``"<unicode string>"``).
+    Anything but a list of strings, and config values that are not files, are left to the parser."""
+    if not isinstance(args, (list, tuple)):
+        return
+    args = [str(a) for a in args]
+    given = [value for flag, value in zip(args, args[1:], strict=False) if flag in ("--config", "-c")]
+    given += [a.partition("=")[2] for a in args if a.startswith("--config=")]
+    for path in (p for p in given if os.path.isfile(p)):
+        _check_yaml_file(path)
+
+
+def _check_yaml_file(path: str) -> None:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):  # the parser's error names the file
+        return
+    try:
+        yaml.compose(text, Loader=yaml.SafeLoader)  # syntax only: nothing constructed
+    except yaml.MarkedYAMLError as err:
+        raise ConfigError(describe_yaml_error(path, err), hint=False) from err
+
+
+def describe_yaml_error(path: str, err: Any) -> str:
+    """One line for a ``yaml.MarkedYAMLError`` of the file ``path``: file, line, column, problem and context.
+
+    Example::
+
+        >>> import yaml
+        >>> from lightning_memkit.config.errors import describe_yaml_error
+        >>> try:
+        ...     yaml.safe_load("a: [1, 2")
+        ... except yaml.MarkedYAMLError as err:
+        ...     print(describe_yaml_error("b.yaml", err))
+        --config b.yaml: invalid YAML at line 1, column 9: ... (while parsing a flow sequence at line 1, column 4)
+    """
+    if err.problem:
+        what = err.problem + (f" ({err.context}{_at(err.context_mark)})" if err.context else "")
+        where = _at(err.problem_mark or err.context_mark)
+    else:
+        what, where = str(err.context), _at(err.context_mark)
+    return f"--config {path}: invalid YAML{where}: {' '.join(what.split())}"
+
+
+def _at(mark: Any) -> str:
+    """`` at line L, column C`` (1-based) of a yaml ``Mark``; empty for ``None``."""
+    return "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+
+
+def class_name(entry: Any) -> str:
+    """The class name of a config entry (``{"class_path": "a.b.C", ...}``, ``"a.b.C"`` or ``None``).
+
+    >>> class_name({"class_path": "lightning_memkit.callbacks.ActivationCheckpointing"}), class_name(None)
+    ('ActivationCheckpointing', '')
+    """
+    path = entry.get("class_path", "") if isinstance(entry, dict) else str(entry or "")
+    return path.rpartition(".")[2]

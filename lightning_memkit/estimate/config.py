@@ -1,0 +1,131 @@
+"""The estimate of a memkit / LightningCLI config: its model, data, optimizer, precision and memkit features.
+
+Example (from a checkout)::
+
+    >>> from lightning_memkit.estimate.config import estimate_from_config
+    >>> est = estimate_from_config("examples/configs/tiny_lm.yaml", ["--model.n_layers", "1"])
+    >>> est.peak_bytes > est.parameters > 0
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_memkit.config.errors import ConfigError, class_name
+from lightning_memkit.config.lightning_cli import instantiate, parse_config
+from lightning_memkit.estimate.hf import hf_patches
+from lightning_memkit.estimate.step import PRECISIONS, MemoryEstimate, estimate_training_memory
+
+__all__ = ["config_features", "estimate_from_config", "estimate_parsed_config"]
+
+
+def config_features(trainer: dict[str, Any]) -> dict[str, Any]:
+    """Checkpointing, fused loss, precision, QLoRA plugin and accumulation from a parsed config's trainer."""
+
+    plugin = _config_plugin(trainer)
+    precision = str(trainer.get("precision") or "32-true")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"trainer.precision: {precision!r} is not estimated; allowed: {', '.join(PRECISIONS)}")
+    if plugin is not None and trainer.get("precision") not in (None, "32-true", "32"):
+        raise ConfigError("trainer.precision and trainer.plugins: a precision plugin sets the precision itself "
+                          f"(Trainer refuses both); remove precision={precision!r}")
+    callbacks = trainer.get("callbacks") or []
+    return {**_config_checkpoint(callbacks), "precision": precision, "plugin": plugin,
+            "fused": any(class_name(c) == "FusedLinearCrossEntropy" for c in callbacks),
+            "accumulate": int(trainer.get("accumulate_grad_batches") or 1) > 1}
+
+
+def _config_plugin(trainer: dict[str, Any]) -> Any:
+    """The config's ``NoSaveBitsandbytesPrecision`` (built), or None; anything else estimate cannot run refused."""
+
+    plugins = trainer.get("plugins") or []
+    plugins = [plugins] if isinstance(plugins, (dict, str)) else list(plugins)
+    others = [class_name(p) for p in plugins if class_name(p) != "NoSaveBitsandbytesPrecision"]
+    strategy = trainer.get("strategy")
+    if others or class_name(strategy) == "MemkitPipelineStrategy" or strategy == "memkit_pipeline":
+        raise ConfigError(f"trainer: memkit estimate does not estimate {', '.join(others) or 'the pipeline strategy'} "
+                          "from a config; remove it to estimate the plain step (use --hf-config with --pipeline N "
+                          "for pipeline stages)")
+    return instantiate(plugins[0]) if plugins else None
+
+
+def _config_checkpoint(callbacks: list[Any]) -> dict[str, Any]:
+    """``{"checkpoint": None | "full" | "selective", "policy": ...}`` from an ``ActivationCheckpointing`` entry."""
+    ac = next((c for c in callbacks if class_name(c) == "ActivationCheckpointing"), None)
+    args = (ac.get("init_args") or {}) if isinstance(ac, dict) else {}
+    mode = None if ac is None else ("selective" if args.get("selective") else "full")
+    return {"checkpoint": mode, "policy": args.get("policy") or "auto"}
+
+
+class _Batches:
+    """The config's training batches, one per call, from its data module, made at the first call unless
+    :meth:`start` made it before. Made inside the estimate (a CPU run), the data module's tensors count as
+    device memory, as they do on a CPU device."""
+
+    def __init__(self, entry: dict[str, Any]):
+        self.entry, self.datamodule, self.batches = entry, None, None
+
+    def start(self) -> None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.datamodule = instantiate(self.entry)
+            self.datamodule.prepare_data()
+            self.datamodule.setup("fit")
+            self.batches = iter(self.datamodule.train_dataloader())
+
+    def __call__(self) -> Any:
+        if self.batches is None:
+            self.start()
+        return next(self.batches)
+
+
+def _step_loss(module: Any, batch: Any) -> torch.Tensor:
+    out = module.training_step(batch, 0)
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def estimate_from_config(config: str | Path, overrides: Sequence[str] = ()) -> MemoryEstimate:
+    """Estimate one training step of a memkit/LightningCLI config: its model (``class_path``), the first batch
+    of its data module, its ``configure_optimizers``, precision, ``ActivationCheckpointing`` (full or selective),
+    ``FusedLinearCrossEntropy`` and a ``NoSaveBitsandbytesPrecision`` plugin (QLoRA)."""
+
+    config = Path(config)
+    if not config.is_file():
+        raise ConfigError(f"--config: no such file: {config}")
+    return estimate_parsed_config(parse_config(config, [str(a) for a in overrides]))
+
+
+def estimate_parsed_config(parsed: dict[str, Any]) -> MemoryEstimate:
+    """:func:`estimate_from_config` of a config already parsed (:func:`~lightning_memkit.config.parse_config`)."""
+
+    trainer = parsed.get("trainer") or {}
+    features = config_features(trainer)
+    batches = _Batches(parsed["data"])
+    if trainer.get("accelerator") not in ("cpu", None):  # the dataset stays in host memory: not counted
+        batches.start()
+    mode = features["checkpoint"]
+    patches = hf_patches(mode is not None, features["fused"])
+    model_entry = parsed["model"]
+    return estimate_training_memory(lambda: instantiate(model_entry), batches, loss_fn=_step_loss,
+                                    optimizer=_configured_optimizer, precision=features["precision"],
+                                    checkpoint=features["policy"] if mode else None, checkpoint_mode=mode or "full",
+                                    patches=patches, plugin=features["plugin"],
+                                    zero_grad="accumulate" if features["accumulate"] else "after_forward",
+                                    target="cpu" if trainer.get("accelerator") == "cpu" else "cuda")
+
+
+def _configured_optimizer(model: Any) -> torch.optim.Optimizer:
+    out = model.configure_optimizers()
+    if isinstance(out, dict):
+        out = out["optimizer"]
+    if isinstance(out, (list, tuple)):
+        out = out[0][0] if isinstance(out[0], (list, tuple)) else out[0]
+    return out
+

@@ -1,0 +1,499 @@
+"""Predict the device memory of a training step before renting the device: the real step, run on fake tensors.
+
+:func:`estimate_training_memory` builds the model from a factory under
+:class:`torch._subclasses.FakeTensorMode` (tensors with shapes, dtypes and storage sizes, and no memory),
+then runs two training steps of the real code (forward with the loss, backward, ``optimizer.step``) and
+counts every live storage the way :class:`~lightning_memkit.memory.LivePeak` counts them on a real device
+(unique storages, freed when they die), from before the model is built. The first step allocates the
+optimizer state; the second is the steady-state step that is reported, per phase:
+
+- **load**: building the model (weights and buffers, in the training dtype);
+- **forward**: from the step's start (batch on the device) to the loss; as in Lightning's automatic
+  optimization, the previous step's gradients are still alive (``zero_grad(set_to_none=True)`` runs
+  between forward and backward; ``zero_grad="before_forward"`` for a plain loop that drops them first);
+- **backward**: ``loss.backward()`` (after that ``zero_grad``);
+- **optimizer step**: ``optimizer.step()`` (its temporaries included).
+
+Each phase gives its peak and the split of that peak into weights, gradients, optimizer state, saved
+activations (what autograd keeps for backward), loss/logits (what is allocated after the model's last
+repeated block: head, logits, loss) and transient, with the module running at the peak.
+
+Features run as they really behave: ``checkpoint`` recomputes the chosen blocks with
+:func:`~lightning_memkit.memory.checkpoint_modules`, ``patches`` enter any context manager around the steps
+(a fused loss, the KV cache off), and MoE expert modules get a stated routing. What is assumed is listed
+in :attr:`MemoryEstimate.assumptions`.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_memkit.memory import estimate_training_memory
+    >>> def model():
+    ...     return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    >>> est = estimate_training_memory(model, lambda: torch.randn(64, 1024),
+    ...                                loss_fn=lambda m, x: m(x).square().mean(), optimizer="sgd")
+    >>> [p.phase for p in est.phases]
+    ['load', 'forward', 'backward', 'optimizer step']
+    >>> est.phases[0].weights                     # (1024*1024 + 1024 + 10*1024 + 10) float32 parameters
+    4239400
+    >>> est.peak_bytes > 3 * est.phases[0].weights  # weights, gradients, momentum, activations
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from lightning_memkit.common.validation import check_bool, check_choice
+from lightning_memkit.estimate.trace import (
+    CategoryTracker,
+    FakeKernelGaps,
+    FlopCount,
+    ModuleClock,
+    PhasePeak,
+    fake_tensors,
+)
+from lightning_memkit.measure.storage import format_bytes, iter_tensors
+from lightning_memkit.recompute.activation_recompute import (
+    PolicyLike,
+    checkpoint_modules,
+    repeated_blocks,
+    resolve_policy,
+    select_modules,
+)
+
+__all__ = ["MemoryEstimate", "PhaseEstimate", "estimate_training_memory", "OPTIMIZERS", "PRECISIONS"]
+
+OPTIMIZERS = ("adamw", "sgd")
+PRECISIONS = ("32-true", "32", "bf16-true", "16-true", "bf16-mixed")
+STEP_PHASES = ("forward", "backward", "optimizer step")
+ZERO_GRAD = ("after_forward", "before_forward", "accumulate")
+CHECKPOINT_MODES = ("full", "selective")
+TARGETS = ("cpu", "cuda")
+_COLUMNS = ("peak", "weights", "grads", "optim state", "saved", "loss/logits", "transient")  # short: 120 columns
+_OWNER = "estimate_training_memory"
+
+
+@dataclass
+class PhaseEstimate:
+    """One phase: its predicted peak and what is alive at that peak, by category, and the module running."""
+
+    phase: str
+    peak_bytes: int
+    weights: int
+    gradients: int
+    optimizer_state: int
+    saved_activations: int
+    loss_logits: int
+    transient: int
+    peak_layer: str
+
+    @classmethod
+    def from_peak(cls, phase: str, peak: PhasePeak) -> PhaseEstimate:
+        s = peak.split
+        return cls(phase, peak.peak_bytes, s["weights"], s["gradients"], s["optimizer state"],
+                   s["saved activations"], s["loss/logits"], s["transient"], peak.layer)
+
+
+@dataclass
+class MemoryEstimate:
+    """What :func:`estimate_training_memory` predicts; ``peak_bytes`` is the steady-state step's peak."""
+
+    phases: list[PhaseEstimate]
+    peak_bytes: int
+    parameters: int
+    trainable_parameters: int
+    precision: str
+    optimizer: str
+    features: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    step_flops: int = 0  # matmul/attention FLOPs of the step (FlopCount), recomputation included
+    step_bytes: int = 0  # bytes of the storages the step creates (what its memory-bound ops write)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """The estimate as JSON (``peak_bytes`` first-level, one object per phase)."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> Any:
+        """A ``rich`` table: per phase, the peak and its split, and the module running at the peak."""
+        from rich.table import Table
+
+        table = Table(title=f"memkit estimate: {self.parameters:,} parameters ({self.trainable_parameters:,} "
+                      f"trainable), {self.precision}, {self.optimizer}",
+                      caption=f"steady-state step peak: {format_bytes(self.peak_bytes)} ({self.peak_bytes:,} B)"
+                      + (f"; features: {', '.join(self.features)}" if self.features else ""),
+                      title_justify="left", caption_justify="left")
+        table.add_column("phase", no_wrap=True)
+        for name in _COLUMNS:
+            table.add_column(name, justify="right", no_wrap=True)
+        for p in self.phases:
+            cells = [p.peak_bytes, p.weights, p.gradients, p.optimizer_state, p.saved_activations, p.loss_logits,
+                     p.transient]
+            table.add_row(p.phase, *(format_bytes(c) for c in cells))
+        return table
+
+    def notes(self) -> str:
+        """Lines under the table: where each phase peaks, the assumptions, the time taken."""
+        where = [f"{p.phase} peaks in {p.peak_layer}" for p in self.phases[1:] if p.peak_layer]
+        lines = [f"{'; '.join(where)}"] if where else []
+        lines += [f"assumption: {a}" for a in self.assumptions]
+        return "\n".join([*lines, f"estimated in {self.seconds:.1f} s"])
+
+    def __str__(self) -> str:
+        from lightning_memkit.measure.report import render_text
+
+        return render_text(self.table()).rstrip() + "\n" + self.notes()
+
+
+# -- arguments ---------------------------------------------------------------------------------------------
+def resolve_optimizer(optimizer: Any, kwargs: Mapping[str, Any] | None) -> tuple[Callable[[nn.Module], Any], str]:
+    """``(make(model) -> Optimizer over its trainable parameters, name)``."""
+    def trainable(model: nn.Module) -> list[nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        args = {"lr": 1e-3, **(kwargs or {})}
+        return lambda m: optimizer(trainable(m), **args), optimizer.__name__
+    if callable(optimizer) and not isinstance(optimizer, type):
+        return optimizer, getattr(optimizer, "__name__", "optimizer")
+    check_choice(optimizer, "optimizer", OPTIMIZERS, owner=_OWNER)
+    if optimizer == "sgd":
+        args = {"lr": 1e-3, "momentum": 0.9, **(kwargs or {})}
+        return lambda m: torch.optim.SGD(trainable(m), **args), "SGD(momentum=0.9)"
+    args = {"lr": 1e-3, **(kwargs or {})}
+    return lambda m: torch.optim.AdamW(trainable(m), **args), "AdamW"
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The dtype of a ``"*-true"`` precision: bfloat16, float16, else float32."""
+    return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision, torch.float32)
+
+
+def _check_args(model_factory: Any, batch_factory: Any, loss_fn: Any, precision: Any, checkpoint: Any,
+                patches: Sequence[Any], expert_balance: Any) -> None:
+    for name, value in (("model_factory", model_factory), ("batch_factory", batch_factory)):
+        if not callable(value):
+            raise TypeError(f"{_OWNER}({name}=...) must be callable, got {type(value).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"{_OWNER}(loss_fn=...) must be callable or None, got {type(loss_fn).__name__}")
+    check_choice(precision, "precision", PRECISIONS, owner=_OWNER)
+    check_choice(expert_balance, "expert_balance", ("uniform",), owner=_OWNER)
+    if checkpoint not in (None, "auto"):
+        resolve_policy(checkpoint)  # raises naming what is allowed
+    for i, patch in enumerate(patches):
+        if not callable(patch):
+            raise TypeError(f"{_OWNER}(patches=...): entry {i} must be a callable model -> context manager, "
+                            f"got {type(patch).__name__}")
+
+
+def _check_plugin(plugin: Any, precision: str) -> None:
+    if plugin is None:
+        return
+    missing = [m for m in ("convert_module", "forward_context") if not callable(getattr(plugin, m, None))]
+    if missing:
+        raise TypeError(f"{_OWNER}(plugin=...) must be a Lightning precision plugin; {type(plugin).__name__} has no "
+                        f"{', '.join(missing)}")
+    if precision != "32-true":
+        raise ValueError(f"{_OWNER}: plugin={type(plugin).__name__} sets the precision itself (as in a Trainer, "
+                         f"which refuses both); leave precision='32-true', got {precision!r}")
+
+
+# -- the step ------------------------------------------------------------------------------------------------
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or list, else ``model(batch)``; then its
+    loss: the tensor itself, its ``.loss`` (Hugging Face outputs) or its ``["loss"]``."""
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    if isinstance(out, Mapping) and "loss" in out:
+        out = out["loss"]
+    loss = getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"{_OWNER}: the model returned {type(out).__name__} and no scalar loss; pass loss_fn=")
+    return loss
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.set_default_dtype(dtype)`` for the block."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _forward_context(precision: str) -> Any:
+    if precision == "bf16-mixed":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return default_dtype(precision_dtype(precision))
+
+
+@dataclass
+class _Run:
+    """The objects of one estimate while it runs."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    tracker: CategoryTracker
+    batch_factory: Callable[[], Any]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    precision: str
+    zero_grad: str
+    gaps: FakeKernelGaps
+    plugin: Any = None
+    fake_batch: bool = False
+
+
+def _classify_static(run: _Run) -> None:
+    tr = run.tracker
+    tr.move(list(run.model.parameters()) + list(run.model.buffers()), "weights")
+    tr.move([p.grad for p in run.model.parameters() if p.grad is not None], "gradients")
+    tr.move(list(iter_tensors(list(run.optimizer.state.values()))), "optimizer state")
+
+
+def _pack_saved(tracker: CategoryTracker) -> Callable[[torch.Tensor], torch.Tensor]:
+    keep = ("weights", "gradients", "optimizer state", "loss/logits")
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        tracker.move([t], "saved activations", unless=keep)
+        return t
+
+    return pack
+
+
+def _step(run: _Run, record: bool) -> None:
+    """One training step: batch, forward, ``zero_grad`` (Lightning's order; or before the forward), backward,
+    ``step``."""
+    tr = run.tracker
+    _classify_static(run)
+    # real values (labels checked, masks and counts read), unless the batch is fake too: no memory for it
+    with contextlib.nullcontext() if run.fake_batch else unset_fake_temporarily():
+        batch = run.batch_factory()
+    if run.zero_grad == "before_forward":
+        run.optimizer.zero_grad(set_to_none=True)
+    tr.start_phase("forward" if record else None, "transient")
+    first = tr.serial
+    if run.plugin is not None and hasattr(run.plugin, "convert_input"):
+        batch = run.plugin.convert_input(batch)
+    context = run.plugin.forward_context() if run.plugin is not None else _forward_context(run.precision)
+    with context, torch.autograd.graph.saved_tensors_hooks(_pack_saved(tr), _identity):
+        loss = run.loss_fn(run.model, batch)
+    tr.move_since(first, "transient", "saved activations")
+    if run.zero_grad == "after_forward":
+        run.optimizer.zero_grad(set_to_none=True)
+    tr.start_phase("backward" if record else None, "transient")
+    loss.backward()
+    del loss
+    tr.start_phase("optimizer step" if record else None, "transient")
+    run.optimizer.step()
+    tr.start_phase(None, "transient")
+    del batch
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+# -- model hooks ------------------------------------------------------------------------------------------------
+def _loss_region_hook(model: nn.Module, tracker: CategoryTracker) -> Any:
+    """After the last repeated block's forward, new storages are the head's and the loss's."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        return None
+
+    def hook(_module: nn.Module, _args: Any, _out: Any) -> None:
+        if torch._C._current_autograd_node() is None and tracker.category == "transient":  # not a recompute
+            tracker.category = "loss/logits"
+
+    return blocks[-1][1].register_forward_hook(hook)
+
+
+def _expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules holding stacked expert weights: a ``num_experts`` int and 3-D parameters of their own, or children
+    with the same ``num_experts`` (quantized experts)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
+            and (any(p.dim() == 3 for p in m.parameters(recurse=False))  # a quantized one: per-expert children
+                 or any(getattr(c, "num_experts", None) == m.num_experts for c in m.children()))]
+
+
+def _install(run: _Run, clock: ModuleClock, checkpoint: tuple[PolicyLike | None, str],
+             patches: Sequence[Callable[[nn.Module], Any]], stack: contextlib.ExitStack) -> list[str]:
+    """Hooks, recomputation and patches, all undone by ``stack``; returns the feature names."""
+    model, features = run.model, []
+    clock.install()
+    stack.callback(clock.remove)
+    handles = [_loss_region_hook(model, run.tracker)]
+    experts = _expert_modules(model)
+    routing = run.gaps.routing
+    handles += [m.register_forward_pre_hook(routing.enter, with_kwargs=True) for m in experts]
+    handles += [m.register_forward_hook(routing.leave, always_call=True) for m in experts]
+    for p in model.parameters():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(
+                lambda q: run.tracker.move([q.grad], "gradients")))
+    stack.callback(lambda: [h.remove() for h in handles if h is not None])
+    policy, mode = checkpoint
+    if policy is not None:
+        chosen = repeated_blocks(model) if policy == "auto" else select_modules(model, policy)
+        if not chosen:
+            raise ValueError(f"{_OWNER}(checkpoint='auto'): {type(model).__name__} has no nn.ModuleList of "
+                             "same-class blocks; pass module classes or a (name, module) -> bool policy")
+        stack.enter_context(checkpoint_modules(chosen, mode=mode))
+        features.append(f"{'selective ' if mode == 'selective' else ''}activation checkpointing "
+                        f"({len(chosen)} modules)")
+    if run.plugin is not None:
+        features.append(repr(run.plugin))
+    for patch in patches:
+        stack.enter_context(patch(model))
+        features.append(getattr(patch, "__name__", type(patch).__name__))
+    return features + ([f"{len(experts)} MoE expert modules"] if experts else [])
+
+
+def build_model(model_factory: Callable[[], nn.Module], precision: str, plugin: Any = None) -> nn.Module:
+    """``model_factory()`` in training mode, as Lightning prepares it: built under ``precision``'s dtype and cast
+    to it (``"bf16-true"``, ``"16-true"``), then converted by the precision ``plugin`` (``convert_module``)."""
+    with default_dtype(precision_dtype(precision)):
+        model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{_OWNER}(model_factory=...) must return a torch.nn.Module, got {type(model).__name__}")
+    if precision in ("bf16-true", "16-true"):
+        model = model.to(precision_dtype(precision))
+    if plugin is not None:
+        model = plugin.convert_module(model)
+    return model.train()
+
+
+def _add_foreach_step(phase: PhaseEstimate, optim: torch.optim.Optimizer) -> None:
+    """On CUDA ``optimizer.step()`` runs its ``foreach`` implementation: its temporaries replace the CPU path's."""
+    from lightning_memkit.pipeline.cost import optimizer_step_bytes
+
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    if not params or type(optim).__name__.lower() not in ("adam", "adamw", "sgd"):
+        return
+    group = optim.param_groups[0]
+    hp = {k: group[k] for k in ("weight_decay", "maximize", "nesterov") if k in group}
+    delta = (optimizer_step_bytes(params, type(optim), foreach=True, **hp)
+             - optimizer_step_bytes(params, type(optim), foreach=False, **hp))
+    phase.peak_bytes += delta
+    phase.transient += delta
+
+
+def _assumptions(experts: bool, target: str = "cpu") -> list[str]:
+    notes = ["unique tensor storages as LivePeak counts them (not included: CUDA allocator rounding, cuBLAS and "
+             "attention kernel workspaces, the CUDA context)"]
+    if target == "cuda":
+        notes.append("CUDA: optimizer.step() runs its foreach implementation (temporaries from "
+                     "optimizer_step_bytes); every other op's outputs as the CPU kernels shape them")
+    if experts:
+        notes.append("MoE routing: uniform expert balance, each expert gets tokens * top_k / num_experts tokens")
+    return notes
+
+
+def estimate_training_memory(
+    model_factory: Callable[[], nn.Module],
+    batch_factory: Callable[[], Any],
+    *,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    optimizer: str | type = "adamw",
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+    precision: str = "32-true",
+    checkpoint: PolicyLike | None = None,
+    patches: Sequence[Callable[[nn.Module], Any]] = (),
+    expert_balance: str = "uniform",
+    zero_grad: str = "after_forward",
+    plugin: Any = None,
+    checkpoint_mode: str = "full",
+    target: str = "cpu",
+    fake_batch: bool = False,
+) -> MemoryEstimate:
+    """Predict the per-phase device peak of a steady-state training step; see the module doc.
+
+    Args:
+        model_factory: builds the model; called under fake mode (a 120B-parameter config costs no memory).
+        batch_factory: builds one batch on the device (``torch.randint``, ``torch.randn``...): real tensors, made
+            outside the fake mode (their values are read), unless ``fake_batch``.
+        loss_fn: ``(model, batch) -> scalar loss``; default :func:`default_loss` (``model(**batch).loss`` and kin).
+        optimizer: ``"adamw"`` (``AdamW(lr=1e-3)``), ``"sgd"`` (``SGD(lr=1e-3, momentum=0.9)``) or an
+            optimizer class (``optimizer_kwargs`` override its arguments), all over the trainable parameters;
+            or a callable ``model -> Optimizer`` (a LightningModule's ``configure_optimizers``).
+        precision: Lightning's name: ``"32-true"``, ``"bf16-true"``, ``"16-true"`` (model, gradients and optimizer
+            state in that dtype, forward under it as default dtype) or ``"bf16-mixed"`` (autocast).
+        checkpoint: recompute in backward: ``"auto"`` (the model's repeated blocks) or a policy as for
+            :func:`~lightning_memkit.memory.select_modules`; ``None``: nothing recomputed.
+        patches: callables ``model -> context manager`` entered around both steps (e.g. a fused loss).
+        expert_balance: how MoE expert modules route tokens; only ``"uniform"``.
+        zero_grad: when the previous step's gradients are dropped (``zero_grad(set_to_none=True)``):
+            ``"after_forward"`` (Lightning's automatic optimization: they are alive during the forward) or
+            ``"before_forward"`` (the usual plain PyTorch loop); ``"accumulate"``: a micro-step of gradient
+            accumulation after the first (Lightning's ``accumulate_grad_batches > 1``): the gradients are alive
+            through forward and backward, which adds into them.
+        plugin: a Lightning precision plugin (e.g. :class:`~lightning_memkit.plugins.NoSaveBitsandbytesPrecision`
+            for QLoRA): its ``convert_module`` converts the model after it is built, its ``forward_context`` and
+            ``convert_input`` wrap the forward, as in a ``Trainer``; ``precision`` must then stay ``"32-true"``.
+        checkpoint_mode: ``"full"`` (recompute whole blocks) or ``"selective"`` (keep matmul/attention outputs),
+            as :func:`~lightning_memkit.memory.checkpoint_modules`.
+        target: the device the step will run on. ``"cpu"``: the step as it runs here (``LivePeak``'s count).
+            ``"cuda"``: plus what CUDA kernels allocate that the CPU path does not, from documented formulas:
+            ``optimizer.step()``'s ``foreach`` temporaries (torch's default on CUDA; AdamW: one buffer the size
+            of all trainable parameters, :func:`~lightning_memkit.pipeline.cost.optimizer_step_bytes`) in place
+            of the per-parameter ones.
+        fake_batch: ``batch_factory`` runs under the fake mode too: the batch takes no memory and has no values
+            (right for token ids a model only embeds; a model that reads its batch, e.g. to check labels,
+            needs the default: a real batch, made outside the fake mode).
+
+    Raises:
+        TypeError / ValueError: a bad argument, named, before anything is built.
+    """
+    _check_args(model_factory, batch_factory, loss_fn, precision, checkpoint, patches, expert_balance)
+    check_choice(zero_grad, "zero_grad", ZERO_GRAD, owner=_OWNER)
+    check_choice(checkpoint_mode, "checkpoint_mode", CHECKPOINT_MODES, owner=_OWNER)
+    check_choice(target, "target", TARGETS, owner=_OWNER)
+    check_bool(fake_batch, "fake_batch", owner=_OWNER)
+    _check_plugin(plugin, precision)
+    make_optimizer, opt_name = resolve_optimizer(optimizer, optimizer_kwargs)
+    start = time.perf_counter()
+    with fake_tensors() as gaps, CategoryTracker() as tracker, contextlib.ExitStack() as stack:
+        tracker.start_phase("load", "weights")
+        model = build_model(model_factory, precision, plugin)
+        tracker.start_phase(None, "transient")
+        clock = ModuleClock({id(m): name or type(m).__name__ for name, m in model.named_modules()})
+        tracker.clock = clock
+        optim = make_optimizer(model)
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise TypeError(f"{_OWNER}(optimizer=...) must make a torch.optim.Optimizer, got {type(optim).__name__}")
+        run = _Run(model, optim, tracker, batch_factory, loss_fn or default_loss,
+                   precision, zero_grad, gaps, plugin, fake_batch)
+        features = _install(run, clock, (checkpoint, checkpoint_mode), patches, stack)
+        _step(run, record=False)
+        tracker.allocated = 0
+        with FlopCount() as flops:
+            _step(run, record=True)
+        phases = [PhaseEstimate.from_peak(name, tracker.phase_peaks[name]) for name in ("load", *STEP_PHASES)]
+        if target == "cuda":
+            _add_foreach_step(phases[-1], optim)
+        counts = (sum(p.numel() for p in model.parameters()),
+                  sum(p.numel() for g in optim.param_groups for p in g["params"]))
+        del run, model, optim
+    return MemoryEstimate(phases=phases, peak_bytes=max(p.peak_bytes for p in phases[1:]), parameters=counts[0],
+                          trainable_parameters=counts[1], optimizer=opt_name,
+                          precision=precision if plugin is None else type(plugin).__name__,
+                          features=features, assumptions=_assumptions(any("MoE" in f for f in features), target),
+                          seconds=time.perf_counter() - start, step_flops=flops.total,
+                          step_bytes=tracker.allocated)

@@ -1,0 +1,271 @@
+"""Count the bytes of tensor storage created inside a block, per device, with the high-water mark.
+
+``LivePeak`` watches every ATen op through a :class:`~torch.utils._python_dispatch.TorchDispatchMode`.
+Each storage that an op returns and that none of its inputs owned is a new allocation: its bytes are
+added to the live count and a weak reference subtracts them again when the storage dies. The count
+is exact on every device for the storages torch allocates through ops (what the caching allocator
+adds on CUDA is cross-checked with ``torch.cuda.max_memory_allocated``). Storages that existed
+before the block (parameters, inputs) are never counted, even when ops write into them in place.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_memkit.memory import LivePeak
+    >>> with LivePeak() as lp:
+    ...     a = torch.empty(1024, dtype=torch.float32)   # 4 KiB
+    ...     b = torch.empty(2048, dtype=torch.uint8)     # 2 KiB
+    ...     del a
+    >>> lp.peak_bytes, lp.live_bytes
+    (6144, 2048)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from lightning_memkit.measure.storage import has_storage, iter_op_tensors, storage_key, storage_of
+
+__all__ = ["LivePeak", "DeviceBytes", "note_storage_resized", "unmeasured"]
+
+_ACTIVE: list[LivePeak] = []  # trackers currently inside their block, innermost last
+
+
+def note_storage_resized(t: torch.Tensor) -> None:
+    """Tell the active trackers that ``t``'s storage changed size outside an op (``resize_`` on it)."""
+    for tracker in list(_ACTIVE):
+        tracker._resync(t)
+
+
+@contextlib.contextmanager
+def unmeasured() -> Iterator[None]:
+    """Peaks reached inside the block do not count for the trackers open around it (planning and probe runs).
+
+    Each :class:`LivePeak` active at entry keeps its peak from before the block, raised only to the bytes
+    still alive when the block ends (storages that the block created and kept do count), and its
+    ``on_change`` sampler is not called inside the block. On CUDA the
+    allocator's peak counters restart at the end of the block, so a ``max_memory_allocated`` read later
+    does not see the block's peak either.
+    """
+    saved = [(t, t.peak_bytes, {d: b.peak for d, b in t.by_device.items()}, t.on_change) for t in _ACTIVE]
+    for tracker in _ACTIVE:
+        tracker.on_change = None  # a timeline sampler skips the block too
+    try:
+        yield
+    finally:
+        for tracker, peak, by_device, on_change in saved:
+            with tracker._lock:
+                tracker.on_change = on_change
+                tracker.peak_bytes = max(peak, tracker.live_bytes)
+                for name, d in tracker.by_device.items():
+                    d.peak = max(by_device.get(name, 0), d.live)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
+
+
+@dataclass
+class DeviceBytes:
+    """Live and peak bytes on one device."""
+
+    live: int = 0
+    peak: int = 0
+
+
+@dataclass
+class StorageEntry:
+    nbytes: int
+    device: str
+    tag: Any
+    ref: weakref.ref = field(repr=False)
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracker: LivePeak):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = set()
+        for t in iter_op_tensors(args):
+            if has_storage(t):
+                inputs.add(storage_key(t))
+        for t in iter_op_tensors(kwargs.values()):
+            if has_storage(t):
+                inputs.add(storage_key(t))
+        out = func(*args, **kwargs)
+        self.tracker._observe(out, inputs)
+        return out
+
+
+def _leave_mode(mode: TorchDispatchMode | None, exc: tuple) -> None:
+    """Pop ``mode`` even when modes entered after it are still open (hooks may close out of order).
+
+    Modes above it are stepped out of and entered again, so they keep counting. A mode that is no
+    longer on the stack (someone else popped it) is left alone.
+    """
+    stack = _get_current_dispatch_mode_stack()
+    if mode is None or not any(m is mode for m in stack):
+        return
+    above = []
+    while stack[-1] is not mode:
+        top = stack.pop()
+        TorchDispatchMode.__exit__(top, None, None, None)
+        above.append(top)
+    try:
+        mode.__exit__(*exc)
+    finally:
+        for top in reversed(above):
+            TorchDispatchMode.__enter__(top)
+
+
+class LivePeak:
+    """Context manager: live and peak bytes of the storages created while it is active.
+
+    Attributes (readable inside and after the block):
+        peak_bytes: the highest total of live bytes seen (all devices together).
+        live_bytes: bytes of storages created in the block and still alive now.
+        by_device: ``{"cpu": DeviceBytes(live, peak), "cuda:0": ...}``.
+        cuda_peak_delta: on CUDA, ``max_memory_allocated`` during the block minus the bytes allocated
+            at entry, per device (``None`` elsewhere); a cross-check that includes kernel workspaces.
+        on_change: optional callable ``(device, live_bytes_on_device)`` called after every change of the
+            count (a timeline sampler); ``None`` by default.
+
+    Args:
+        tag: optional callable called with no arguments at each allocation; its result is stored with
+            the storage and returned by :meth:`live_storages` (used to attribute bytes to modules).
+    """
+
+    def __init__(self, tag: Callable[[], Any] | None = None):
+        if tag is not None and not callable(tag):
+            raise TypeError(f"LivePeak(tag=...) must be callable or None, got {type(tag).__name__}")
+        self._tag = tag
+        self._entries: dict[int, StorageEntry] = {}
+        self._lock = threading.RLock()
+        self._mode: _Mode | None = None
+        self._cuda_start: dict[int, int] = {}
+        self.by_device: dict[str, DeviceBytes] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.cuda_peak_delta: dict[str, int] | None = None
+        self.on_change: Callable[[str, int], None] | None = None
+
+    # -- context -----------------------------------------------------------------------------------
+    def __enter__(self) -> LivePeak:
+        if self._mode is not None:
+            raise RuntimeError("LivePeak is not re-entrant: use a new LivePeak for a nested block")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i in range(torch.cuda.device_count()):
+                self._cuda_start[i] = torch.cuda.memory_allocated(i)
+                torch.cuda.reset_peak_memory_stats(i)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        mode, self._mode = self._mode, None
+        try:
+            _leave_mode(mode, exc)
+        finally:
+            _ACTIVE[:] = [t for t in _ACTIVE if t is not self]
+            if self._cuda_start:
+                self.cuda_peak_delta = {
+                    f"cuda:{i}": torch.cuda.max_memory_allocated(i) - start
+                    for i, start in self._cuda_start.items()
+                }
+
+    # -- queries -----------------------------------------------------------------------------------
+    def live_storages(self) -> list[tuple[int, int, str, Any]]:
+        """``(key, nbytes, device, tag)`` for each storage created in the block and still alive."""
+        with self._lock:
+            return [(k, e.nbytes, e.device, e.tag) for k, e in self._entries.items()]
+
+    def is_tracked(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage was created in the block (and is still alive)."""
+        return has_storage(t) and storage_key(t) in self._entries
+
+    def refresh_sizes(self) -> int:
+        """Re-read the size of every tracked storage and return the change in live bytes.
+
+        Storages resized outside an op (``untyped_storage().resize_(0)``, as FSDP frees its gathered
+        parameters) are otherwise still counted at their old size. A shrink never lowers the peak.
+        """
+        with self._lock:
+            before = self.live_bytes
+            for entry in list(self._entries.values()):
+                storage = entry.ref()
+                if storage is None:
+                    continue
+                delta, entry.nbytes = storage.nbytes() - entry.nbytes, storage.nbytes()
+                if delta:
+                    self._change(entry.device, delta)
+            return self.live_bytes - before
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the bytes alive now."""
+        with self._lock:
+            self.peak_bytes = self.live_bytes
+            for d in self.by_device.values():
+                d.peak = d.live
+
+    def __repr__(self) -> str:
+        return f"LivePeak(peak_bytes={self.peak_bytes}, live_bytes={self.live_bytes})"
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def _observe(self, out: Any, inputs: set[int]) -> None:
+        for t in iter_op_tensors(out if isinstance(out, (list, tuple)) else (out,)):
+            if not has_storage(t):
+                continue
+            key = storage_key(t)
+            if key in inputs:
+                if key in self._entries:
+                    self._resync(t)  # in-place resize of a storage we track
+                continue
+            if key in self._entries:
+                continue
+            self._add(t, key)
+
+    def _add(self, t: torch.Tensor, key: int) -> None:
+        storage = storage_of(t)
+        nbytes = storage.nbytes()
+        device = str(t.device)
+        tag = self._tag() if self._tag is not None else None
+        ref = weakref.ref(storage, lambda _r, key=key: self._remove(key))
+        with self._lock:
+            self._entries[key] = StorageEntry(nbytes, device, tag, ref)
+            self._change(device, nbytes)
+
+    def _remove(self, key: int) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._change(entry.device, -entry.nbytes)
+
+    def _resync(self, t: torch.Tensor) -> None:
+        if not has_storage(t):
+            return
+        with self._lock:
+            entry = self._entries.get(storage_key(t))
+            if entry is None:
+                return
+            nbytes = storage_of(t).nbytes()
+            delta, entry.nbytes = nbytes - entry.nbytes, nbytes
+            self._change(entry.device, delta)
+
+    def _change(self, device: str, delta: int) -> None:
+        d = self.by_device.setdefault(device, DeviceBytes())
+        d.live += delta
+        d.peak = max(d.peak, d.live)
+        self.live_bytes += delta
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.on_change is not None:
+            self.on_change(device, d.live)

@@ -1,0 +1,68 @@
+"""The forward and the LoRA of every no-save quantized Linear layer (bitsandbytes-backed, or packed for estimates).
+
+A layer class mixes :class:`NoSaveLinearMixin` in front of its bitsandbytes (or plain) base: its forward runs
+:func:`~lightning_memkit.ops.nosave_matmul.nosave_linear`, whose backward keeps only the packed weight, plus the
+layer's LoRA update when it has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memkit.ops.lora import LoRAAdapter
+from lightning_memkit.ops.nosave_matmul import nosave_linear
+
+__all__ = ["NoSaveLinearMixin"]
+
+
+def _quantize_device(layer: nn.Module, weight: torch.Tensor | None, device: Any) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for t in (layer.weight, weight):
+        if t is not None and t.device.type != "meta":
+            return t.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class NoSaveLinearMixin:
+    """Forward through :func:`nosave_linear` (+ the LoRA update when the layer has one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nosave_linear(x, self)
+        lora = self._modules.get("lora")
+        return out if lora is None else out + lora(x)
+
+    def quantize_(self, weight: torch.Tensor | None = None, device: Any = None) -> None:
+        """Quantize in place on ``device`` (default: where the weight is; Lightning's default is CUDA).
+
+        ``weight`` (a state dict's, through Lightning's load hook) must be unquantized: packed bytes would be
+        quantized again as if they were values.
+        """
+        if weight is not None and not weight.is_floating_point():
+            raise ValueError(
+                f"{type(self).__name__}: cannot load a {weight.dtype} weight of shape {tuple(weight.shape)}: it is "
+                "already quantized (a state dict of a converted model); load the unquantized weights, or load the "
+                "state dict into the model before the plugin converts it"
+            )
+        super().quantize_(weight, _quantize_device(self, weight, device))
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.weight.dtype in (torch.uint8, torch.int8) or bool(getattr(self.weight, "bnb_quantized", False))
+
+    def freeze_base(self) -> None:
+        """Freeze the quantized weight and the bias (Lightning's 4-bit conversion already freezes the bias)."""
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def add_lora(self, rank: int, alpha: float = 16, dropout: float = 0.0) -> LoRAAdapter:
+        """Attach a trainable LoRA adapter (once) and freeze the layer's own parameters."""
+        if self._modules.get("lora") is None:
+            device = self.weight.device if self.weight.device.type != "meta" else torch.device("cpu")
+            self.lora = LoRAAdapter(self.in_features, self.out_features, rank, alpha, dropout, device=device)
+        self.freeze_base()
+        return self.lora
