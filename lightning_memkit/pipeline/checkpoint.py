@@ -138,12 +138,12 @@ def _fsync_dir(directory: Path) -> None:
 
 def _named_write_error(target: Path, err: OSError, needed: int | None, written: int) -> CheckpointError:
     """The cause of a failed write in words: out of space (with the bytes), file size limit, permission, I/O."""
-    need = "" if needed is None else f"; it needs at least {needed:,} bytes"
+    need = "" if needed is None else f"; its tensors alone take {needed:,} bytes"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(target.parent).free
         cause = "ENOSPC, no space left" if err.errno == errno.ENOSPC else "EDQUOT, disk quota exceeded"
         return CheckpointError(target, f"out of space on the file system of {target.parent} ({cause}) after "
-                                       f"{written:,} bytes{need}, {free:,} bytes free")
+                                       f"{written:,} bytes{need}; {free:,} bytes free with the partial file removed")
     if err.errno == errno.EFBIG:
         return CheckpointError(target, f"the file size limit (EFBIG: RLIMIT_FSIZE, ulimit -f) stopped the write "
                                        f"at {written:,} bytes{need}")
@@ -162,8 +162,8 @@ def _check_free_space(target: Path, needed: int) -> None:
         return
     free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
     if needed > free:
-        raise CheckpointError(target, f"out of space on the file system of {target.parent} (ENOSPC): it needs at "
-                                      f"least {needed:,} bytes, {free:,} bytes free; nothing was written")
+        raise CheckpointError(target, f"out of space on the file system of {target.parent} (ENOSPC): its tensors "
+                                      f"alone take {needed:,} bytes, {free:,} bytes free; nothing was written")
 
 
 def _atomic_write(target: Path, write: Callable[[_HashingWriter], Any], needed: int | None = None) -> tuple[int, str]:

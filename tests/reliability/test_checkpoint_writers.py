@@ -218,7 +218,7 @@ def test_a_full_disk_names_the_directory_and_the_bytes(tmp_path, where):
             save_sharded(d, {"w": torch.zeros(n)}, global_step=2)
         message = str(info.value)
         assert f"out of space on the file system of {d}" in message and "ENOSPC" in message
-        assert f"needs at least {4 * n:,} bytes" in message and "bytes free" in message
+        assert f"its tensors alone take {4 * n:,} bytes" in message and "bytes free" in message
         assert ("nothing was written" in message) == (where == "before")
         assert "unexpected pos" not in message and "rank_00000-" in message  # the file is named
         (disk / "filler").unlink()
@@ -241,7 +241,7 @@ def test_a_file_size_limit_names_the_limit_and_the_file(tmp_path):
                           env=dict(os.environ, PYTHONPATH=ranks.PYPATH))
     out = done.stdout.strip()
     assert done.returncode == 0 and "the file size limit (EFBIG: RLIMIT_FSIZE" in out, done.stdout + done.stderr
-    assert "rank_00000-" in out and "needs at least 400,000 bytes" in out
+    assert "rank_00000-" in out and "its tensors alone take 400,000 bytes" in out
     assert out.endswith("True")  # every file as it was (lock included: no temporary file left)
     assert writer_lock.owner(d) is None  # released at the child's exit
     manifest, state = load_committed_shard(d, 0)
