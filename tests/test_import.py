@@ -35,7 +35,8 @@ def run_python(code: str, *flags: str) -> subprocess.CompletedProcess:
                           timeout=240)
 
 
-@pytest.mark.parametrize("module", ["lightning_memkit", "lightning_memkit.ops", "lightning_memkit.memory"])
+@pytest.mark.parametrize("module", ["lightning_memkit", "lightning_memkit.ops", "lightning_memkit.memory",
+                                    "lightning_memkit.measure", "lightning_memkit.release", "lightning_memkit.recompute"])
 def test_pure_torch_imports_load_no_lightning_and_are_fast(module):
     proc = run_python(f"""
         import sys, time
@@ -85,19 +86,29 @@ REGISTRY_CHECK = """
 """
 
 
-@pytest.mark.parametrize("first", [
+ORDERS = [
     "import lightning.pytorch\nimport lightning_memkit",                  # Lightning first: registered at once
     "import lightning_memkit\nimport lightning.pytorch",                  # memkit first: registered by the hook
     "import lightning_memkit\nimport lightning",                          # via the top-level lightning package
     "import lightning_memkit\nfrom lightning.pytorch.strategies import StrategyRegistry",  # via a submodule
     "from lightning_memkit.strategies import MemkitPipelineStrategy",   # the strategy module imports Lightning
     "from lightning_memkit.callbacks import PeakMemoryMonitor",        # a callback module imports Lightning
-])
-def test_memkit_pipeline_is_registered_whichever_is_imported_first(first):
-    proc = run_python("import sys\n" + first + textwrap.dedent(REGISTRY_CHECK))
-    assert proc.returncode == 0, proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def registry_runs() -> dict[str, subprocess.Popen]:
+    """One fresh interpreter per import order, all started at once (each spends seconds importing Lightning)."""
+    return {first: subprocess.Popen([sys.executable, "-c", "import sys\n" + first + textwrap.dedent(REGISTRY_CHECK)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for first in ORDERS}
+
+
+@pytest.mark.parametrize("first", ORDERS)
+def test_memkit_pipeline_is_registered_whichever_is_imported_first(first, registry_runs):
+    stdout, stderr = registry_runs[first].communicate(timeout=240)
+    assert registry_runs[first].returncode == 0, stderr
     # the hook left sys.meta_path and lightning.pytorch kept its own loader
-    assert proc.stdout.split("\n")[-2] == "True True [] SourceFileLoader SourceFileLoader"
+    assert stdout.split("\n")[-2] == "True True [] SourceFileLoader SourceFileLoader"
 
 
 def test_the_hook_waits_for_lightning_and_leaves_other_imports_alone():
