@@ -36,7 +36,8 @@ def run_python(code: str, *flags: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("module", ["lightning_memkit", "lightning_memkit.ops", "lightning_memkit.memory",
-                                    "lightning_memkit.measure", "lightning_memkit.release", "lightning_memkit.recompute"])
+                                    "lightning_memkit.measure", "lightning_memkit.release",
+                                    "lightning_memkit.recompute"])
 def test_pure_torch_imports_load_no_lightning_and_are_fast(module):
     proc = run_python(f"""
         import sys, time
