@@ -136,6 +136,11 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _errno_name(err: OSError, default: str) -> str:
+    """``'ENOSPC'`` for an ``OSError`` with that errno; ``default`` when it has none."""
+    return errno.errorcode.get(err.errno or 0, default)
+
+
 def _named_write_error(target: Path, err: OSError, needed: int | None, written: int) -> CheckpointError:
     """The cause of a failed write in words: out of space (with the bytes), file size limit, permission, I/O."""
     need = "" if needed is None else f"; its tensors alone take {needed:,} bytes"
@@ -149,9 +154,9 @@ def _named_write_error(target: Path, err: OSError, needed: int | None, written: 
                                        f"at {written:,} bytes{need}")
     if isinstance(err, PermissionError) or err.errno == errno.EROFS:
         return CheckpointError(target, f"cannot write in {target.parent}: {err.strerror or err} "
-                                       f"({errno.errorcode.get(err.errno or 0, 'EACCES')})")
+                                       f"({_errno_name(err, 'EACCES')})")
     return CheckpointError(target, f"write failed after {written:,} bytes: {err.strerror or err} "
-                                   f"({errno.errorcode.get(err.errno or 0, type(err).__name__)})")
+                                   f"({_errno_name(err, type(err).__name__)})")
 
 
 def _check_free_space(target: Path, needed: int) -> None:
@@ -356,7 +361,7 @@ def _lock_or_raise(directory: Path, lock_dir: Path, run_id: str, rank: int,
             error = f"{err}; nothing was written"
         except OSError as err:
             error = (f"cannot take the writer lock {lock_dir / writer_lock.LOCK_FILE}: {err.strerror or err} "
-                     f"({errno.errorcode.get(err.errno or 0, type(err).__name__)}); nothing was written")
+                     f"({_errno_name(err, type(err).__name__)}); nothing was written")
     failures = [e for e in all_gather(error) if e is not None]
     if failures:
         raise CheckpointError(directory, failures[0])
@@ -513,12 +518,16 @@ class _Shards:
     def __init__(self, directory: Path, ranks: Iterable[int] | None = None,
                  manifest: Mapping[str, Any] | None = None) -> None:
         self.directory = directory
-        for _ in range(1 if manifest is not None else _READ_ATTEMPTS):
+        attempts = 1 if manifest is not None else _READ_ATTEMPTS  # a given manifest is not followed to a newer one
+        for _ in range(attempts):
             self.manifest = manifest if manifest is not None else read_manifest(directory)
             wanted = range(self.manifest["world_size"]) if ranks is None else ranks
             if self._open([self.manifest["shards"][r] for r in wanted]):
                 return
-        raise CheckpointError(directory, f"replaced {_READ_ATTEMPTS} times while being opened: another process keeps "
+        if manifest is not None:
+            raise CheckpointError(directory, "the manifest passed is no longer the committed one (a newer save "
+                                             "replaced it and removed its shards); verify the checkpoint again")
+        raise CheckpointError(directory, f"replaced {attempts} times while being opened: another process keeps "
                                          "saving into it; load it again once that run has stopped")
 
     def _open(self, entries: list[Mapping[str, Any]]) -> bool:

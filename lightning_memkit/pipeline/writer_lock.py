@@ -122,15 +122,16 @@ def _exclusive(directory: Path) -> Iterator[None]:
         os.close(fd)  # closing drops the flock
 
 
-def _verdict(record: dict[str, Any], run_id: str) -> str:
-    """``"ours"``, ``"stale"`` (take over) or why the lock must be left to its owner."""
+def _verdict(record: dict[str, Any], run_id: str, held: str | None) -> str:
+    """``"ours"``, ``"stale"`` (take over) or why the lock must be left to its owner; ``held``: the run id this
+    process holds the lock for (:data:`_HELD`), if any."""
     if record.get("run_id") == run_id and record.get("host") == socket.gethostname():
         return "ours"
     if "unreadable" in record:
         return f"the lock file is unreadable ({record['unreadable']}); delete it if no other run writes here"
     if record.get("host") != socket.gethostname():
         return "that host's processes cannot be checked from here; if that run is gone, delete the lock file"
-    if record.get("pid") == os.getpid() and _HELD.get(str(record.get("path"))) != record.get("run_id"):
+    if record.get("pid") == os.getpid() and held != record.get("run_id"):
         return "stale"  # an earlier run of this process that ended without releasing it
     if _alive(record):
         same = " (another run in this process)" if record.get("pid") == os.getpid() else ""
@@ -148,7 +149,7 @@ def acquire(directory: str | os.PathLike, run_id: str) -> None:
     with _exclusive(directory):
         record = _read(path)
         if record is not None:
-            verdict = _verdict({**record, "path": str(path)}, run_id)
+            verdict = _verdict(record, run_id, _HELD.get(str(path)))
             if verdict not in ("ours", "stale"):
                 raise LockHeld(path, record, verdict)
             if verdict == "stale":
@@ -168,7 +169,7 @@ def release(directory: str | os.PathLike, run_id: str) -> bool:
         return False
     with _exclusive(directory):
         record = _read(path)
-        mine = record is not None and _verdict(record, run_id) == "ours"
+        mine = record is not None and _verdict(record, run_id, _HELD.get(str(path))) == "ours"
         if mine:
             path.unlink(missing_ok=True)
     if _HELD.get(str(path)) == run_id:

@@ -672,7 +672,7 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
                 )
             except ckpt_format.CheckpointError as err:
                 error = str(err)
-            if pp_rank == 0:
+            if pp_rank == 0 and error is None:
                 self._locked.add(path.parent)
         failures = [e for e in self._all_gather_object(error) if e is not None]  # the replicas raise it too
         if failures:
@@ -707,7 +707,20 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
 
     def _load_own_shard(self, path: Path, weights_only: bool | None) -> tuple[str, dict[str, Any]]:
         pp_rank = self.global_rank % self.mesh_shape[1]
-        manifest = ckpt_format.read_manifest(path)
+        first = ckpt_format.read_manifest(path)
+        self._check_split(path, first)  # before a shard is opened: another split is named as such
+        manifest, checkpoint = ckpt_format.load_committed_shard(path, pp_rank, weights_only=weights_only)
+        if manifest["save_id"] != first["save_id"]:  # replaced meanwhile: the save that was loaded is checked too
+            self._check_split(path, manifest)
+        problem = model_mismatch(manifest["meta"], checkpoint.get("state_dict", {}),
+                                 self.lightning_module.state_dict(), len(self._build_plan().layers))
+        if problem is not None:
+            raise ckpt_format.CheckpointError(path, f"a checkpoint of another model: {problem}")
+        self._restored = manifest["meta"]
+        return manifest["save_id"], checkpoint
+
+    def _check_split(self, path: Path, manifest: Mapping[str, Any]) -> None:
+        """The checkpoint's pipeline size and schedule are this run's (any number of replicas loads it)."""
         meta = manifest["meta"]
         if manifest["world_size"] != self.mesh_shape[1]:
             raise ValueError(
@@ -720,13 +733,6 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
                 f"{path} holds stages for schedule={meta.get('schedule')!r} ({meta.get('stages_per_rank')} per "
                 f"rank); this strategy uses schedule={self.schedule!r} ({self.stages_per_rank} per rank)"
             )
-        manifest, checkpoint = ckpt_format.load_committed_shard(path, pp_rank, weights_only=weights_only)
-        problem = model_mismatch(manifest["meta"], checkpoint.get("state_dict", {}),
-                                 self.lightning_module.state_dict(), len(self._build_plan().layers))
-        if problem is not None:
-            raise ckpt_format.CheckpointError(path, f"a checkpoint of another model: {problem}")
-        self._restored = manifest["meta"]
-        return manifest["save_id"], checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]

@@ -260,3 +260,16 @@ def test_a_read_only_directory_names_the_file(tmp_path):
         message = str(info.value)
         assert f"cannot write in {d}: Read-only file system (EROFS)" in message and "rank_00000-" in message
         _assert_failed_cleanly(d, before)
+
+
+def test_a_stale_manifest_passed_to_load_shard_is_named_not_followed(tmp_path):
+    """A manifest verified before a newer save swept its shards: refused, never mixed with the newer save."""
+    from lightning_memkit.pipeline.checkpoint import load_shard
+
+    save_sharded(tmp_path, {"w": torch.ones(2)}, global_step=1)
+    old = read_manifest(tmp_path)
+    save_sharded(tmp_path, {"w": torch.zeros(2)}, global_step=2)
+    with pytest.raises(CheckpointError, match="the manifest passed is no longer the committed one"):
+        load_shard(tmp_path, 0, manifest=old)
+    assert torch.equal(load_shard(tmp_path, 0)["w"], torch.zeros(2))
+    writer_lock.release(tmp_path, writer_lock.owner(tmp_path)["run_id"])
