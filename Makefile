@@ -23,10 +23,13 @@ demo: $(STAMP)
 	$(VENV)/bin/memkit compare --config examples/configs/tiny_lm.yaml
 
 # Lint, the tests and the package's docstring examples. Tests marked slow (several processes, long runs) are
-# skipped: `make test MEMKIT_RUN_SLOW=1` (what .ci/run does) runs them too.
+# skipped: `make test MEMKIT_RUN_SLOW=1` (what .ci/run does) runs them too. The tests run in TEST_WORKERS
+# processes (pytest-xdist; each test module stays in one of them); `make test TEST_WORKERS=0` runs them in this one.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check lightning_memkit tests benchmarks examples
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) \
+		--dist loadscope) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 $(BENCH_STAMP): $(STAMP)

@@ -17,7 +17,7 @@ overhead is its steps' cost over the given run's, minus one; a pipeline of ``S``
 microbatches divides the cost by ``S`` and adds the 1F1B bubble ``(S - 1) / M``. Not modeled: slower small
 GEMMs after a micro-batch split, kernel launch costs, communication.
 
-Example (a one-layer tiny Llama: plans for half of its plain peak)::
+Example (a one-layer tiny Llama: plans for half of its plain peak, four estimates at most)::
 
     >>> import pathlib, tempfile
     >>> from lightning_memkit.demo.hf_models import tiny_hf_config
@@ -25,7 +25,7 @@ Example (a one-layer tiny Llama: plans for half of its plain peak)::
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "config.json"
     >>> _ = path.write_text(tiny_hf_config("llama", vocab_size=1000, num_layers=1).to_json_string())
     >>> run = HFRun(path, seq_len=64, batch_size=2)
-    >>> result = search_plans(run, budget_bytes=run.estimate(run.base).peak_bytes // 2)
+    >>> result = search_plans(run, budget_bytes=run.estimate(run.base).peak_bytes // 2, max_estimates=4)
     >>> best = result.fitting[0]
     >>> best.peak_bytes * 1.05 <= result.budget_bytes, "trainer:" in best.yaml()
     (True, True)

@@ -14,7 +14,7 @@ from lightning_memkit.cli.main import main
 from lightning_memkit.config.errors import ConfigError
 from lightning_memkit.config.lightning_cli import MemkitCLI
 
-CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 CONFIG = CONFIGS / "tiny_lm.yaml"
 TINY = [
     "--trainer.max_steps", "3", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",

@@ -15,7 +15,7 @@ from lightning_memkit.config.errors import ConfigError
 from lightning_memkit.demo.hf_models import tiny_hf_config
 from lightning_memkit.estimate.hf import estimate_from_hf_config
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -189,14 +189,15 @@ def test_a_bad_input_is_one_line_before_any_work(values, flags: list[str], messa
     assert re.search(message, err), err
 
 
-def test_the_command_line_refuses_a_batch_too_large_in_one_line(tmp_path: Path) -> None:
+def test_the_command_line_refuses_a_batch_too_large_in_one_line(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_llama()))
-    out = subprocess.run([sys.executable, "-c", "from lightning_memkit.cli import main; main()", "estimate",
-                          "--hf-config", str(path), "--seq-len", "10000000000"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.splitlines() == [
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--hf-config", str(path), "--seq-len", "10000000000"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.out == ""
+    assert out.err.splitlines() == [
         "memkit estimate: error: --batch-size 1 x --seq-len 10000000000 = 10000000000 tokens per batch: at most "
         "2147483648 (2**31)"]
 

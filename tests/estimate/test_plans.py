@@ -153,7 +153,7 @@ def test_training_with_the_plan_stays_within_the_budget(tmp_path: Path, capsys: 
     main(["estimate", "--config", str(base), "--json"])
     predicted = json.loads(capsys.readouterr().out)["peak_bytes"]
     budget = int(predicted * 0.6)
-    main(["estimate", "--config", str(base), "--budget", str(budget), "--json"])
+    main(["estimate", "--config", str(base), "--budget", str(budget), "--max-estimates", "6", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert result["base"]["peak_bytes"] == predicted and result["plans"]
     plan = tmp_path / "plan.yaml"

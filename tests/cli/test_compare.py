@@ -13,7 +13,7 @@ from lightning_memkit.config.comparison import PHASES, compare, split_features
 from lightning_memkit.config.errors import ConfigError
 from lightning_memkit.demo import TinyLM
 
-CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 SMALL = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "2", "--model.seq_len", "32",
          "--data.seq_len", "32", "--data.batch_size", "4", "--data.max_bytes", "20000"]
 
@@ -129,11 +129,11 @@ def test_cuda_rows_carry_max_memory_allocated(tmp_path):
 
 def test_the_table_in_docs_compare_is_what_a_fresh_run_prints(tmp_path):
     """docs/compare.md shows the demo config's table: it must be the one the command prints now."""
-    page = (Path(__file__).resolve().parents[1] / "docs" / "compare.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "compare.md").read_text()
     config, block = re.search(r"<!-- compare: (\S+) -->\n```\n(.*?)```", page, re.S).groups()
     documented = [tuple(c.strip() for c in line.strip("│").split("│")) for line in block.splitlines()
                   if line.startswith("│")]
-    result = compare(Path(__file__).resolve().parents[1] / config, out_dir=tmp_path)
+    result = compare(Path(__file__).resolve().parents[2] / config, out_dir=tmp_path)
     fresh = [(r.phase, f"{r.baseline_bytes:,}", f"{r.memkit_bytes:,}", f"{r.saved_bytes:,}", f"{r.ratio:.3f}x")
              for r in result.rows]
     assert documented == fresh
