@@ -42,7 +42,7 @@ _PAGES = ("docs/*.md",)
 _GRACE_S = 30.0  # a step may run this long past the budget before it is killed
 # benchmarks with nothing to measure on a GPU (each refuses --device cuda or measures host memory only)
 CPU_ONLY_BENCHMARKS = {"hf_load": "host memory of a checkpoint load", "hf_qlora": "CPU only (bitsandbytes on CPU)",
-                       "pipeline_mesh": "gloo processes on CPU"}
+                       "peft_qlora": "CPU only (bitsandbytes on CPU)", "pipeline_mesh": "gloo processes on CPU"}
 
 
 @dataclass(frozen=True)

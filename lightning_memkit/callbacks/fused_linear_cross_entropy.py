@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_memkit.common.validation import check_choice, check_int
 from lightning_memkit.hf.fused_loss import find_causal_lms
+from lightning_memkit.hf.peft_models import head_parts
 
 __all__ = ["FusedLinearCrossEntropy"]
 
@@ -34,8 +35,9 @@ class FusedLinearCrossEntropy(Callback):
     """Applies :func:`~lightning_memkit.hf.fused_linear_cross_entropy` from ``on_fit_start`` to ``on_fit_end``.
 
     The HF model is the LightningModule itself if it is a ``PreTrainedModel``, else each of its direct
-    child modules that is a ``PreTrainedModel`` with an ``lm_head``. Calls with ``labels`` then return
-    ``logits=None``; calls without ``labels`` are unchanged.
+    child modules that is a ``PreTrainedModel`` with an ``lm_head``, or a peft model around one (the causal
+    LM inside is patched; a LoRA adapter on ``lm_head`` joins the fused head). Calls with ``labels`` then
+    return ``logits=None``; calls without ``labels`` are unchanged.
 
     Args:
         chunk_size: tokens per chunk, or ``"auto"``.
@@ -77,7 +79,7 @@ class FusedLinearCrossEntropy(Callback):
         if not isinstance(keep, int):
             return  # index tensors: the logits' rows are not known here
         tokens = labels.numel() if keep == 0 else labels.shape[0] * keep
-        head = model.lm_head.weight
+        head = head_parts(model.lm_head).weight
         nbytes = tokens * head.shape[0] * head.element_size()
         self.fused_calls += 1
         self.logits_bytes_avoided += nbytes

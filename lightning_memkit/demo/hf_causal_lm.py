@@ -1,7 +1,8 @@
 """HFCausalLM: a LightningModule that trains a tiny random Hugging Face causal LM built from its config.
 
 Its ``training_step`` is the plain HF idiom, ``self.model(**batch).loss``: every memkit feature must work
-on it with nothing added but the feature object on the ``Trainer``.
+on it with nothing added but the feature object on the ``Trainer``. With ``peft_lora`` the model is wrapped by
+peft (``get_peft_model`` with a ``LoraConfig``): only the adapters train.
 
 Example::
 
@@ -38,12 +39,16 @@ class HFCausalLM(pl.LightningModule):
         lr: AdamW learning rate over the trainable parameters.
         seed: seed of the random initialisation (``None``: the global RNG as it is).
         config_overrides: more keyword arguments for the config class, e.g. ``{"use_cache": false}``.
+        peft_lora: keyword arguments of ``peft.LoraConfig``, e.g. ``{"r": 8, "target_modules": ["q_proj",
+            "v_proj"]}``: ``self.model`` becomes ``peft.get_peft_model(model, LoraConfig(**peft_lora))``, whose
+            adapters are the only trainable parameters; ``None`` (default): no peft.
 
     Example (LightningCLI YAML)::
 
         model:
           class_path: lightning_memkit.demo.HFCausalLM
-          init_args: {family: qwen3_moe, hidden_size: 64, num_layers: 2}
+          init_args: {family: qwen3_moe, hidden_size: 64, num_layers: 2,
+                      peft_lora: {r: 8, lora_alpha: 16, target_modules: [q_proj, v_proj]}}
         data:
           class_path: lightning_memkit.demo.ByteTextDataModule
           init_args: {batch_size: 8, seq_len: 64, batch_format: hf}
@@ -51,7 +56,7 @@ class HFCausalLM(pl.LightningModule):
 
     def __init__(self, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, vocab_size: int = 256,
                  num_experts: int = 4, lr: float = 3e-3, seed: int | None = 0,
-                 config_overrides: dict[str, Any] | None = None):
+                 config_overrides: dict[str, Any] | None = None, peft_lora: dict[str, Any] | None = None):
         super().__init__()
         owner = "HFCausalLM"
         check_choice(family, "family", HF_FAMILIES, owner=owner)
@@ -61,9 +66,19 @@ class HFCausalLM(pl.LightningModule):
         if hidden_size % 8:
             raise ValueError(f"HFCausalLM(hidden_size={hidden_size}) must be a multiple of 8 (4 heads of even size)")
         check_number(lr, "lr", minimum=0, min_inclusive=False, owner=owner)
+        lora_config = _lora_config(peft_lora)
         self.save_hyperparameters()
-        self.model = tiny_hf_causal_lm(family, seed=seed, hidden_size=hidden_size, num_layers=num_layers,
-                                       vocab_size=vocab_size, num_experts=num_experts, **(config_overrides or {}))
+        model = tiny_hf_causal_lm(family, seed=seed, hidden_size=hidden_size, num_layers=num_layers,
+                                  vocab_size=vocab_size, num_experts=num_experts, **(config_overrides or {}))
+        if lora_config is not None:
+            from peft import get_peft_model
+
+            try:
+                model = get_peft_model(model, lora_config)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"HFCausalLM(peft_lora={peft_lora!r}): peft cannot apply it to the {family} "
+                                 f"model: {err}") from None
+        self.model = model
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -90,3 +105,18 @@ class HFCausalLM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
+
+
+def _lora_config(peft_lora: Any) -> Any:
+    """``peft.LoraConfig(**peft_lora)``, or ``None``; a bad value raises naming ``peft_lora``."""
+    if peft_lora is None:
+        return None
+    if not isinstance(peft_lora, dict) or not all(isinstance(k, str) for k in peft_lora):
+        raise TypeError(f"HFCausalLM(peft_lora=...) must be None or a dict of peft.LoraConfig arguments, e.g. "
+                        f"{{'r': 8, 'target_modules': ['q_proj', 'v_proj']}}; got {peft_lora!r}")
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig(**peft_lora)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"HFCausalLM(peft_lora={peft_lora!r}): not valid peft.LoraConfig arguments: {err}") from None

@@ -6,6 +6,11 @@ then computes HF's causal-LM loss (labels shifted by one, ``-100`` ignored, mean
 weight, chunk by chunk. The output's ``logits`` are ``None``. MoE models add the router auxiliary
 loss exactly as their own forward does. Without ``labels`` the original forward runs unchanged.
 
+A peft model (``PeftModel`` around the causal LM) is patched inside: its LoRA layers run as peft runs them, and
+a LoRA adapter on ``lm_head`` joins the fused head: ``hidden @ W.T + scaling * B(A(dropout(hidden)))`` is one
+product of ``[hidden, scaling * A(dropout(hidden))]`` with ``[W, B]`` (a copy of the head weight with the
+adapters' ``B`` columns; still no logits).
+
 Only the model *instance*'s ``forward`` is patched; it is restored on exit, exceptions included.
 
 Example::
@@ -35,6 +40,7 @@ from typing import Any
 import torch
 
 from lightning_memkit.common.validation import check_choice, check_int
+from lightning_memkit.hf.peft_models import head_parts, unwrap_peft
 from lightning_memkit.ops import linear_cross_entropy
 
 __all__ = ["find_causal_lms", "fused_linear_cross_entropy"]
@@ -46,12 +52,16 @@ def _check_model(model: Any) -> None:
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"fused_linear_cross_entropy(model=...): must be a transformers PreTrainedModel, "
-                        f"got {type(model).__name__}")
+        raise TypeError(f"fused_linear_cross_entropy(model=...): must be a transformers PreTrainedModel (or a peft "
+                        f"model around one), got {type(model).__name__}")
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, torch.nn.Linear):
+    if not isinstance(head, torch.nn.Module):
         raise TypeError(f"fused_linear_cross_entropy(model=...): {type(model).__name__} has no `lm_head` "
                         f"nn.Linear (got {type(head).__name__}); only causal LMs are supported")
+    try:
+        head_parts(head)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"fused_linear_cross_entropy(model=...): {type(model).__name__}.lm_head: {err}") from None
     if model.base_model is model:
         raise TypeError(f"fused_linear_cross_entropy(model=...): {type(model).__name__} has no base model")
     if _router_aux_enabled(model, None) and _aux_loss_fn(model) is None:
@@ -87,15 +97,38 @@ def _lm_loss(model, hidden, labels, params, chunk_size, backend) -> torch.Tensor
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     n_items = params.get("num_items_in_batch")
-    head = model.lm_head
+    hidden, weight, bias = _head_operands(model.lm_head, hidden.reshape(-1, hidden.shape[-1]))
     loss = linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
-        bias=head.bias, ignore_index=ignore_index, softcap=getattr(model.config, "final_logit_softcapping", None),
+        hidden, weight, shift_labels.reshape(-1).to(hidden.device),
+        bias=bias, ignore_index=ignore_index, softcap=getattr(model.config, "final_logit_softcapping", None),
         reduction="mean" if n_items is None else "sum", chunk_size=chunk_size, backend=backend,
     )
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
     return loss
+
+
+def _head_operands(head, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(hidden, weight, bias)`` whose ``hidden @ weight.T + bias`` are the head's logits, LoRA adapters included:
+    each active adapter adds ``scaling * A(dropout(hidden))`` columns to ``hidden`` and its ``B`` to ``weight``."""
+    if any(getattr(getattr(h, "func", h), "__name__", "") == "_adapter_names_pre_forward_hook"
+           for m in head.modules() for h in m._forward_pre_hooks.values()):
+        raise ValueError("fused_linear_cross_entropy: the call passes peft's adapter_names (a different adapter per "
+                         "sample) and lm_head has LoRA layers; the fused head runs the active adapters only: call "
+                         "without adapter_names, or outside the fused loss")
+    parts = head_parts(head)
+    if not parts.adapters:
+        return hidden, parts.weight, parts.bias
+    weight, bias = parts.weight, parts.bias
+    columns, rows = [hidden], [weight]
+    for a in parts.adapters:
+        x = hidden.to(a.A.weight.dtype) if parts.cast_input and hidden.is_floating_point() else hidden
+        columns.append((a.A(a.dropout(x)) * a.scaling).to(hidden.dtype))
+        rows.append(a.B.weight.to(weight.dtype))
+        if a.B.bias is not None:
+            extra = (a.B.bias * a.scaling).to(weight.dtype)
+            bias = extra if bias is None else bias + extra
+    return torch.cat(columns, dim=-1), torch.cat(rows, dim=1), bias
 
 
 def _aux_loss(model, router_logits, attention_mask) -> torch.Tensor:
@@ -143,13 +176,15 @@ def fused_linear_cross_entropy(
     """Within the block, ``model(..., labels=...)`` computes its loss without materializing the logits.
 
     Args:
-        model: a transformers causal LM (``PreTrainedModel`` with an ``lm_head`` and a base model).
+        model: a transformers causal LM (``PreTrainedModel`` with an ``lm_head`` and a base model), or a peft
+            model around one (its LoRA adapters on ``lm_head`` included).
         chunk_size: tokens per chunk of :func:`~lightning_memkit.ops.linear_cross_entropy`, or ``"auto"``.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (as in ``linear_cross_entropy``).
 
     Yields the model. ``config.final_logit_softcapping`` is applied as ``softcap``; MoE router aux
     loss (``output_router_logits``) is added as HF does. See the module docstring for an example.
     """
+    outer, model = model, unwrap_peft(model)
     _check_model(model)
     check_int(chunk_size, "chunk_size", minimum=1, also=("auto",), owner="fused_linear_cross_entropy")
     check_choice(backend, "backend", ("auto", "torch", "triton"), owner="fused_linear_cross_entropy")
@@ -166,7 +201,7 @@ def fused_linear_cross_entropy(
 
     model.forward = forward
     try:
-        yield model
+        yield outer
     finally:
         if had_own:
             model.forward = previous
@@ -175,14 +210,17 @@ def fused_linear_cross_entropy(
 
 
 def find_causal_lms(pl_module: Any) -> list[Any]:
-    """The HF causal LMs of ``pl_module``: itself if it is a ``PreTrainedModel``, else its attributes that are."""
+    """The HF causal LMs of ``pl_module``: itself if it is a ``PreTrainedModel``, else its attributes that are;
+    a peft model (``PeftModel``) in either place stands for the causal LM inside it."""
     from transformers import PreTrainedModel
 
-    if isinstance(pl_module, PreTrainedModel):
-        return [pl_module]
-    found = [m for m in vars(pl_module).get("_modules", {}).values()
+    inner = unwrap_peft(pl_module)
+    if isinstance(inner, PreTrainedModel):
+        return [inner]
+    found = [m for m in map(unwrap_peft, vars(pl_module).get("_modules", {}).values())
              if isinstance(m, PreTrainedModel) and hasattr(m, "lm_head")]
     if not found:
         raise ValueError(f"FusedLinearCrossEntropy: {type(pl_module).__name__} is not a transformers PreTrainedModel "
-                         "and has no attribute that is a PreTrainedModel with an `lm_head`")
+                         "and has no attribute that is a PreTrainedModel with an `lm_head` (or a peft model around "
+                         "one)")
     return found

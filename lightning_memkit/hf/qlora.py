@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_memkit.ops.lora import ExpertLoRAAdapter
+from lightning_memkit.hf.peft_models import peft_adapter_parameters
+from lightning_memkit.ops.lora import ExpertLoRAAdapter, LoRAAdapter
 from lightning_memkit.ops.nosave_experts import QuantizedExperts, check_expert_weight
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "ExpertConversion",
     "QLoRAExperts",
     "dequantized_experts",
+    "freeze_all_but_adapters_",
 ]
 
 _LAYOUT_ATTRS = ("has_gate", "has_bias", "is_transposed")
@@ -241,3 +243,41 @@ def dequantized_experts(experts: nn.Module, dtype: torch.dtype = torch.float32) 
         raise TypeError(f"experts must be a converted experts module (QLoRA...), got {type(experts).__name__}")
     dense = {proj: experts._modules[proj].dequantize(None, dtype) for proj in expert_projections(experts)}
     return {k: v.transpose(1, 2).contiguous() if experts.is_transposed else v for k, v in dense.items()}
+
+
+def freeze_all_but_adapters_(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Freeze every parameter of ``model`` but the LoRA adapters and cast the floating ones to ``dtype``.
+
+    The adapters are memkit's (:class:`~lightning_memkit.ops.lora.LoRAAdapter` and kin: left as they are, float32)
+    and peft's (``lora_A``/``lora_B`` of every adapter name, ``modules_to_save`` copies): their ``requires_grad``
+    stays as peft set it (the active adapters train); float32 ones stay float32 (peft keeps adapters in float32
+    beside a half-precision base), others are cast to ``dtype``. Casting keeps each ``Parameter`` object.
+    Returns the names of the parameters frozen.
+
+    Example::
+
+        >>> import torch
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from lightning_memkit.hf.qlora import freeze_all_but_adapters_
+        >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        >>> net = get_peft_model(net, LoraConfig(r=2, target_modules=["0"]))
+        >>> [n.removeprefix("base_model.model.") for n in freeze_all_but_adapters_(net, torch.bfloat16)]
+        ['0.base_layer.weight', '0.base_layer.bias', '1.weight', '1.bias']
+        >>> sorted({(p.dtype, p.requires_grad) for n, p in net.named_parameters() if "lora_" in n})
+        [(torch.float32, True)]
+    """
+    ours = {id(p) for m in model.modules() if isinstance(m, (LoRAAdapter, ExpertLoRAAdapter)) for p in m.parameters()}
+    peft = peft_adapter_parameters(model)
+    frozen = []
+    for name, p in model.named_parameters():
+        if id(p) in ours:
+            continue
+        if id(p) in peft:
+            if p.is_floating_point() and p.dtype not in (torch.float32, dtype):
+                p.data = p.data.to(dtype)
+            continue
+        p.requires_grad_(False)
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+        frozen.append(name)
+    return frozen

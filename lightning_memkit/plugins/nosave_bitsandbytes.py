@@ -13,7 +13,10 @@
 - a Hugging Face model becomes a QLoRA model with no further code (:mod:`lightning_memkit.hf.qlora`): its MoE
   experts' 3-D weights are quantized too, expert by expert, with per-expert adapters
   (:class:`~lightning_memkit.ops.lora.ExpertLoRAAdapter`); ``lm_head`` stays unquantized; every other
-  parameter (embeddings, norms, routers, biases, ``lm_head``) is frozen and cast to ``dtype``.
+  parameter (embeddings, norms, routers, biases, ``lm_head``) is frozen and cast to ``dtype``;
+- a peft model (LoRA adapters made by ``peft.get_peft_model``) keeps its adapters: the ``base_layer`` of each
+  peft LoRA layer is quantized like any other Linear layer, peft's ``lora_A``/``lora_B`` stay dense and
+  trainable (float32 ones stay float32), and ``lora_rank`` must stay 0.
 
 Example::
 
@@ -45,6 +48,7 @@ from lightning.pytorch.plugins.precision.precision import Precision
 from torch import nn
 
 from lightning_memkit.common.validation import check_choice
+from lightning_memkit.hf.peft_models import peft_adapter_linears, peft_problems, peft_tuner_layers
 from lightning_memkit.hf.qlora import (
     check_experts,
     expert_modules,
@@ -52,8 +56,9 @@ from lightning_memkit.hf.qlora import (
     output_embedding_names,
     prepare_experts,
 )
+from lightning_memkit.hf.qlora import freeze_all_but_adapters_ as freeze_base_
 from lightning_memkit.measure.report import logical_numel, parameter_storage_bytes
-from lightning_memkit.ops.lora import check_lora_args, freeze_base_
+from lightning_memkit.ops.lora import check_lora_args
 from lightning_memkit.plugins.nosave_linear import NoSaveLinearMixin
 
 __all__ = ["NoSaveBitsandbytesPrecision", "MODES"]
@@ -344,11 +349,13 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         ours = tuple(_layer_classes().values())
         self._check_no_foreign_layers(module, bnb, ours)
         self._check_ignore_modules(module)
+        adapters = self._check_peft(module)
         quantized = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
         heads = {n for n in output_embedding_names(module) if not self._ignored(n)}
         shared = {n: h for n, h in _shared_linears(module, quantized).items() if not self._ignored(n)}
-        self._check_not_empty(module, {**shared, **dict.fromkeys(heads, [])})
+        self._check_not_empty(module, {**shared, **dict.fromkeys([*heads, *adapters], [])})
         experts = [(n, m) for n, m in expert_modules(module) if not self._ignored(n)]
+        self._check_experts_not_peft_wrapped(module, experts)
         for name, m in experts:
             check_experts(name, m)
         if self.mode.endswith("-dq") and _on_fake_tensors(module):
@@ -360,11 +367,11 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
                 log.info("NoSaveBitsandbytesPrecision: %r stays an unquantized nn.Linear: its parameters are shared "
                          "with %s (quantizing would untie them)", name, ", ".join(others))
         with _all_or_nothing(module):
-            module = self._convert_linears(module, ours, set(shared) | heads)
+            module = self._convert_linears(module, ours, set(shared) | heads | set(adapters))
             for conversion in conversions:
                 conversion.apply()
             for _, model in hf_models(module):
-                freeze_base_(model, self.dtype)
+                freeze_base_(model, self.dtype)  # memkit's and peft's adapters stay trainable
         self.experts_converted = len(conversions)
         log.debug("NoSaveBitsandbytesPrecision: %d experts modules converted to %s", len(conversions), self.mode)
         return module
@@ -380,7 +387,9 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         fake = _on_fake_tensors(module)
         if fake:
             ours = (PackedLinear,)
-        with _detached(module, [n for n, _ in module.named_modules(remove_duplicate=False) if n in kept]):
+        hidden = [n for n, _ in module.named_modules(remove_duplicate=False)
+                  if n in kept and not any(n.startswith(f"{k}.") for k in kept)]  # outermost: inner ones go along
+        with _detached(module, hidden):
             if fake:
                 _pack_layers(module, self.mode, self.dtype, self.ignore_modules)
             elif not kept or any(isinstance(m, nn.Linear) for m in module.modules()):  # else nothing to replace
@@ -411,6 +420,43 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
                 f"(with quant state), {dense - packed:,} bytes saved"
                 + (f"; {self.experts_converted} MoE experts modules quantized too, not counted here"
                    if self.experts_converted else ""))
+
+    def _check_peft(self, module: nn.Module) -> list[str]:
+        """A peft model: no ``lora_rank`` of ours on top of its adapters, nothing a quantized base cannot run.
+        Returns the names of peft's adapter Linear layers (they stay dense)."""
+        layers = peft_tuner_layers(module)
+        if not layers:
+            return []
+        if self.lora_rank > 0:
+            names = sorted({a for _, m in layers for key in ("lora_A", "lora_embedding_A")
+                            for a in (getattr(m, key, None) or {})})
+            raise ValueError(
+                f"NoSaveBitsandbytesPrecision: lora_rank={self.lora_rank} adds LoRA adapters of its own, but the "
+                f"model already has peft adapters ({', '.join(map(repr, names)) or 'peft tuner layers'} on "
+                f"{len(layers)} layers, e.g. {layers[0][0]!r}); allowed: lora_rank=0 with a peft model (its adapters "
+                "train), or lora_rank > 0 on the model without peft"
+            )
+        problems = peft_problems(module)
+        if problems:
+            raise ValueError(f"NoSaveBitsandbytesPrecision: the peft model cannot run on quantized base layers: "
+                             f"{'; '.join(problems)}; allowed: plain LoRA adapters (peft's lora.Linear)")
+        return peft_adapter_linears(module)
+
+    @staticmethod
+    def _check_experts_not_peft_wrapped(module: nn.Module, experts: list[tuple[str, nn.Module]]) -> None:
+        """peft's ``target_parameters`` adapters (``lora.ParamWrapper``) add their delta to the experts' 3-D weights:
+        those weights cannot be quantized."""
+        tuners = [n for n, _ in peft_tuner_layers(module)]
+        wrapped = [name for name, _ in experts if any(name.startswith(f"{n}.") for n in tuners)]
+        if wrapped:
+            outer = sorted(min((n for n in tuners if w.startswith(f"{n}.")), key=len) for w in wrapped)
+            raise ValueError(
+                f"NoSaveBitsandbytesPrecision: MoE experts modules {', '.join(map(repr, outer))} carry peft adapters "
+                "on their 3-D weights (LoraConfig(target_parameters=...)), which peft adds to the weights "
+                "themselves, so those weights cannot be quantized; allowed: list them in ignore_modules (they stay "
+                "unquantized, frozen, in dtype; peft's adapters train), or put the adapters on the experts with "
+                "lora_rank on the model without peft"
+            )
 
     @staticmethod
     def _check_no_foreign_layers(module: nn.Module, bnb: Any, ours: tuple[type, ...]) -> None:

@@ -332,3 +332,39 @@ def test_a_converted_state_dict_is_refused_not_quantized_again(mode):
     with pytest.raises(ValueError, match=rf"cannot load a {dtype} weight of shape .*: it is already quantized"):
         target.load_state_dict(source.state_dict(), strict=False)
     assert torch.equal(target[0].weight.detach(), packed)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_a_peft_model_keeps_its_adapters_dense_and_its_base_layers_quantized(mode):
+    """peft on a plain module (no transformers): the base layers and the other Linear layers are quantized, peft's
+    lora_A / lora_B stay nn.Linear and alone keep requires_grad; the adapters' gradients are peft's own on the
+    dequantized weights."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    original = peft.get_peft_model(MLP(), peft.LoraConfig(r=RANK, target_modules=["body.0", "head"]))
+    for name, p in original.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)
+    dtype = _dtype(mode)
+    model = NoSaveBitsandbytesPrecision(mode, dtype).convert_module(copy.deepcopy(original))
+    quantized = {n.removeprefix("base_model.model.") for n, m in model.named_modules()
+                 if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+    assert quantized == {"body.0.base_layer", "body.2", "head.base_layer"}
+    dense = {n.removeprefix("base_model.model.") for n, m in model.named_modules() if type(m) is nn.Linear}
+    assert dense == {f"{layer}.lora_{k}.default" for layer in ("body.0", "head") for k in "AB"}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, p in original.named_parameters() if p.requires_grad} and len(trainable) == 4
+    reference = copy.deepcopy(original)
+    with torch.no_grad():
+        for name in quantized:
+            layer = model.get_submodule(f"base_model.model.{name}")
+            reference.get_submodule(f"base_model.model.{name}").weight.copy_(dequantize_weight(layer, torch.float32))
+    x = torch.randn(8, IN)
+    model(x.to(dtype)).float().square().mean().backward()
+    reference(x).square().mean().backward()
+    for name in trainable:
+        got = dict(model.named_parameters())[name].grad.float()
+        expected = dict(reference.named_parameters())[name].grad
+        assert (got - expected).abs().max() <= TOL[dtype] * 10 * expected.abs().max(), name
