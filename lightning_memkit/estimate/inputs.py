@@ -95,12 +95,15 @@ def check_pipeline(stages: Any, microbatches: Any, batch_size: int) -> int:
 
 
 def check_pipeline_family(config: Any, path: str | Path) -> None:
-    """Refuse a model family that ``memkit_pipeline`` does not split (``SUPPORTED_MODEL_TYPES``)."""
-    from lightning_memkit.hf.pipeline_stages import SUPPORTED_MODEL_TYPES
+    """Refuse a model that ``memkit_pipeline`` does not split: the causal LM ``config`` builds (on ``meta``) must
+    have the decoder-only layout and layer kinds :func:`~lightning_memkit.hf.pipeline_stages.causal_lm_problems`
+    reads, whatever its family."""
+    from lightning_memkit.hf.pipeline_stages import causal_lm_config_problems
 
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise input_error(f"--pipeline: model_type {config.model_type!r} of {path} is not split by memkit_pipeline; "
-                          f"supported families: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    problems = causal_lm_config_problems(config)
+    if problems:
+        raise input_error(f"--pipeline: model_type {config.model_type!r} of {path} is not split by memkit_pipeline: "
+                          f"{'; '.join(problems)}")
 
 
 def check_positions(seq_len: int, config: Any, path: str | Path) -> None:

@@ -176,7 +176,7 @@ class SearchResult:
 
 
 # -- the two kinds of run ---------------------------------------------------------------------------------------
-def _batch_splits(batch_size: int) -> list[int]:
+def batch_splits(batch_size: int) -> list[int]:
     """Micro-batch sizes to try: ``batch_size`` halved while it divides evenly."""
     sizes = [batch_size]
     while sizes[-1] % 2 == 0:
@@ -184,11 +184,11 @@ def _batch_splits(batch_size: int) -> list[int]:
     return sizes
 
 
-def _stronger_precisions(precision: str) -> list[str]:
+def stronger_precisions(precision: str) -> list[str]:
     return [precision] + (["bf16-true"] if _PRECISION_STRENGTH.get(precision, 0) == 0 else [])
 
 
-def _stronger_checkpoints(checkpoint: str | None) -> list[str | None]:
+def stronger_checkpoints(checkpoint: str | None) -> list[str | None]:
     return [c for c in _CHECKPOINT_STRENGTH if _CHECKPOINT_STRENGTH[c] >= _CHECKPOINT_STRENGTH[checkpoint]]
 
 
@@ -217,9 +217,9 @@ class HFRun:
 
     def axes(self) -> Iterator[Plan]:
         b = self.base
-        for values in itertools.product(_stronger_precisions(b.precision), _stronger_plugins(b.plugin),
-                                        _stronger_checkpoints(b.checkpoint), sorted({b.fused_loss, True}),
-                                        _batch_splits(b.micro_batch)):
+        for values in itertools.product(stronger_precisions(b.precision), _stronger_plugins(b.plugin),
+                                        stronger_checkpoints(b.checkpoint), sorted({b.fused_loss, True}),
+                                        batch_splits(b.micro_batch)):
             yield Plan(*values)
 
     def estimate(self, plan: Plan) -> Any:
@@ -236,13 +236,13 @@ class HFRun:
 
     def pipelines(self) -> Iterator[Plan]:
         """Pipeline plans with every single-device feature on (no quantization: not estimated with stages), for the
-        families ``memkit_pipeline`` splits."""
-        from lightning_memkit.hf.pipeline_stages import SUPPORTED_MODEL_TYPES
+        models ``memkit_pipeline`` splits (``causal_lm_config_problems`` finds nothing)."""
+        from lightning_memkit.hf.pipeline_stages import causal_lm_config_problems
 
-        if self.base.plugin is None and self.config.model_type in SUPPORTED_MODEL_TYPES:
+        if self.base.plugin is None and not causal_lm_config_problems(self.config):
             layers = int(getattr(self.config, "num_hidden_layers", 0) or 0)
             for stages in [s for s in (2, 4, 8) if s <= layers]:
-                yield Plan(_stronger_precisions(self.base.precision)[-1], None, "full", True, self.batch_size, stages)
+                yield Plan(stronger_precisions(self.base.precision)[-1], None, "full", True, self.batch_size, stages)
 
     def fragment(self, plan: Plan) -> dict[str, Any]:
         trainer: dict[str, Any] = {}
@@ -257,14 +257,14 @@ class HFRun:
             trainer["strategy"] = {"class_path": "lightning_memkit.strategies.MemkitPipelineStrategy",
                                    "init_args": {"schedule": "1f1b", "microbatches": self.batch_size,
                                                  "partition": "memory", "fused_loss": plan.fused_loss}}
-        callbacks = _feature_callbacks(plan, fused_callback=plan.stages == 1)
+        callbacks = feature_callbacks(plan, fused_callback=plan.stages == 1)
         if callbacks:
             trainer["callbacks"] = callbacks
         return {"trainer": trainer}
 
     def notes(self, plan: Plan) -> list[str]:
         notes = ["add these callbacks to your own list (a later --config replaces the whole list)"
-                 if _feature_callbacks(plan, fused_callback=plan.stages == 1) else "a fragment of your trainer config"]
+                 if feature_callbacks(plan, fused_callback=plan.stages == 1) else "a fragment of your trainer config"]
         if plan.micro_batch != self.batch_size:
             notes.append(f"and set your data module's batch size to {plan.micro_batch}")
         return notes
@@ -295,10 +295,10 @@ class ConfigRun:
 
     def axes(self) -> Iterator[Plan]:
         b = self.base
-        precisions = [b.precision] if b.plugin is not None else _stronger_precisions(b.precision)
+        precisions = [b.precision] if b.plugin is not None else stronger_precisions(b.precision)
         fused = sorted({b.fused_loss, self.hf})
-        for values in itertools.product(precisions, _stronger_plugins(b.plugin), _stronger_checkpoints(b.checkpoint),
-                                        fused, _batch_splits(b.micro_batch) if b.micro_batch else [0]):
+        for values in itertools.product(precisions, _stronger_plugins(b.plugin), stronger_checkpoints(b.checkpoint),
+                                        fused, batch_splits(b.micro_batch) if b.micro_batch else [0]):
             yield Plan(*values)
 
     def pipelines(self) -> Iterator[Plan]:
@@ -313,7 +313,7 @@ class ConfigRun:
 
         own = ("ActivationCheckpointing", "FusedLinearCrossEntropy")
         kept = [c for c in trainer.get("callbacks") or [] if class_name(c) not in own]
-        trainer["callbacks"] = kept + _feature_callbacks(plan, fused_callback=True)
+        trainer["callbacks"] = kept + feature_callbacks(plan, fused_callback=True)
         if plan.plugin is not None:
             entry = copy.deepcopy(self.plugin_entry)
             entry.setdefault("init_args", {})["mode"] = plan.plugin.removesuffix("-lora")
@@ -360,7 +360,7 @@ def _has_hf_model(model_entry: dict[str, Any]) -> bool:
         return False
 
 
-def _feature_callbacks(plan: Plan, fused_callback: bool) -> list[dict[str, Any]]:
+def feature_callbacks(plan: Plan, fused_callback: bool) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if plan.checkpoint is not None:
         out.append({"class_path": "lightning_memkit.callbacks.ActivationCheckpointing",
@@ -475,7 +475,7 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
     ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: _search_order(p, run.base))
     top = _strongest([run.base, *ordered])
     strongest = (base, base_cost) if top == run.base else search.try_plan(top)
-    if strongest[0].fits:
+    if strongest is None or strongest[0].fits:  # None: ruled out by a fitting base (only adds work) or the limit
         for plan in ordered:
             if plan != top:
                 search.try_plan(plan)

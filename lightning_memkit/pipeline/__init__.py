@@ -9,6 +9,7 @@ from lightning_memkit.pipeline.cost import (
     measure_layer_costs,
     optimizer_state_bytes,
     resolve_stages_per_rank,
+    shared_parameter_costs,
     stage_to_rank,
     static_cost,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "parameter_balanced_partition",
     "partition_layers",
     "resolve_stages_per_rank",
+    "shared_parameter_costs",
     "stage_cost_matrix",
     "stage_scratch",
     "stage_to_rank",

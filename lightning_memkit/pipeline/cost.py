@@ -71,6 +71,7 @@ __all__ = [
     "optimizer_step_bytes",
     "allreduce_buffer_bytes",
     "static_cost",
+    "shared_parameter_costs",
     "measure_layer_costs",
 ]
 
@@ -491,6 +492,35 @@ def static_cost(
             foreach = _uses_foreach(params[0], hyperparams)
     return LayerCost(param_bytes=param_bytes, grad_bytes=sum(grads), optimizer_bytes=opt_bytes,
                      largest_grad_bytes=max(grads, default=0), step_bytes=step, step_foreach=foreach)
+
+
+def shared_parameter_costs(
+    layers: Sequence[nn.Module],
+    optimizer: str | type | torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = "adamw",
+    **kwargs: Any,
+) -> list[tuple[int, int, LayerCost]]:
+    """``(i, j, cost)`` for each pair of layers ``i < j`` that share parameters (tied input and output embeddings),
+    ``i`` the first layer holding them: ``cost`` is :func:`static_cost` of the shared parameters, which both layers'
+    costs count (the ``ties`` of :func:`~lightning_memkit.pipeline.partition_layers`). ``kwargs`` as
+    :func:`static_cost`'s.
+
+    Example::
+
+        >>> from torch import nn
+        >>> from lightning_memkit.pipeline.cost import shared_parameter_costs
+        >>> emb, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+        >>> head.weight = emb.weight
+        >>> [(i, j, c.static_bytes) for i, j, c in shared_parameter_costs([emb, nn.Linear(4, 4), head], "sgd")]
+        [(0, 2, 256)]
+    """
+    first: dict[int, int] = {}
+    shared: dict[tuple[int, int], list[nn.Parameter]] = {}
+    for j, layer in enumerate(layers):
+        for p in _unique(layer.parameters()):
+            i = first.setdefault(id(p), j)
+            if i != j:
+                shared.setdefault((i, j), []).append(p)
+    return [(i, j, static_cost(nn.ParameterList(params), optimizer, **kwargs)) for (i, j), params in shared.items()]
 
 
 # -- activation bytes -------------------------------------------------------------------------------------

@@ -32,7 +32,12 @@ all-gather output while it is copied into the unsharded parameters); the step se
 gradients and ``ceil(step / D)`` temporaries. Dimension-0 padding of uneven shards is not counted.
 
 A rank's peak is the sum over its stages (exact for one stage per rank; for two, an upper bound of the
-rank's single all-reduce).
+rank's single all-reduce). ``ties`` names layers that share parameters (tied input and output embeddings, as
+:func:`~lightning_memkit.pipeline.cost.shared_parameter_costs` finds them): their static bytes are in both
+layers' costs, and a rank that always holds both pays them once. That is the case for the first and the last
+layer under ``zbv``/``dualpipev`` (rank 0 holds both ends of the V) and for every tie with one rank; the shared
+bytes then come off stage 0 (the stage of layer 0). Other ties are counted in both layers (where two ranks hold
+them, each holds a copy).
 :func:`partition_layers` returns the contiguous split that minimizes the largest rank peak, exactly, by
 dynamic programming: left to right for one stage per rank (``O(N L^2)``), outside-in for the V order of
 ``zbv``/``dualpipev`` (rank ``r`` owns the ``r``-th stage from each end, ``O(P L^4)``), and two chunks
@@ -155,6 +160,33 @@ def _check_dp(data_parallel_size, bucket_bytes, owner, sharded=False) -> tuple[i
         raise TypeError(f"{owner}(sharded=...) must be a bool, got {type(sharded).__name__}")
     return (check_int(data_parallel_size, "data_parallel_size", minimum=1, owner=owner),
             check_int(bucket_bytes, "bucket_bytes", minimum=1, owner=owner))
+
+
+def _check_ties(ties, n: int, owner: str) -> list[tuple[int, int, LayerCost]]:
+    """``ties`` as ``(i, j, LayerCost)`` with ``0 <= i < j < n``; an int cost is static bytes."""
+    if isinstance(ties, (str, bytes)) or not isinstance(ties, Sequence):
+        raise TypeError(f"{owner}(ties=...) must be a sequence of (layer, layer, cost), got {type(ties).__name__}")
+    out = []
+    for k, tie in enumerate(ties):
+        if not isinstance(tie, (tuple, list)) or len(tie) != 3:
+            raise TypeError(f"{owner}(ties[{k}]={tie!r}) must be a (layer, layer, cost) triple")
+        i = check_int(tie[0], f"ties[{k}][0]", minimum=0, owner=owner)
+        j = check_int(tie[1], f"ties[{k}][1]", minimum=0, owner=owner)
+        if not i < j < n:
+            raise ValueError(f"{owner}(ties[{k}]=({i}, {j}, ...)): need two layers i < j among the {n} layers")
+        out.append((i, j, as_layer_costs([tie[2]])[0]))
+    return out
+
+
+def _together(ties, n: int, schedule: str, num_stages: int, v: int) -> LayerCost | None:
+    """The summed static cost of the ties one rank always holds both ends of (see the module doc), or ``None``."""
+    ranks = num_stages // v
+    v_order = schedule.lower() in ("zbv", "dualpipev")
+    held = [c for i, j, c in ties if ranks == 1 or (v_order and (i, j) == (0, n - 1))]
+    if not held:
+        return None
+    return LayerCost(param_bytes=sum(c.param_bytes for c in held), grad_bytes=sum(c.grad_bytes for c in held),
+                     optimizer_bytes=sum(c.optimizer_bytes for c in held))
 
 
 def _check_common(costs, num_stages, schedule, microbatches, stages_per_rank, owner="partition_layers"):
@@ -285,18 +317,21 @@ def _range_max(values: Sequence[int]) -> torch.Tensor:
     return out
 
 
-def _matrices(layers, num_stages, inflight, microbatches, dp=1, bucket=BUCKET_BYTES, sharded=False
+def _matrices(layers, num_stages, inflight, microbatches, dp=1, bucket=BUCKET_BYTES, sharded=False, together=None
               ) -> list[torch.Tensor]:
-    return [
+    mats = [
         stage_cost_matrix(layers, s, num_stages, inflight[s], microbatches, data_parallel_size=dp, bucket_bytes=bucket,
                           sharded=sharded)
         for s in range(num_stages)
     ]
+    if together is not None:  # stage 0 starts at layer 0 and sits on rank 0, which holds the other end too
+        mats[0][0] -= float(_weights_cost([together], 0, 1, dp, sharded))
+    return mats
 
 
 def _finish(layers, boundaries, v, schedule, microbatches, inflight, ranks, method, dp=1, bucket=BUCKET_BYTES,
-            sharded=False) -> Partition:
-    mats = _matrices(layers, len(boundaries) - 1, inflight, microbatches, dp, bucket, sharded)
+            sharded=False, together=None) -> Partition:
+    mats = _matrices(layers, len(boundaries) - 1, inflight, microbatches, dp, bucket, sharded, together)
     stage_peaks = tuple(int(mats[s][boundaries[s], boundaries[s + 1]]) for s in range(len(boundaries) - 1))
     num_ranks = (len(boundaries) - 1) // v
     rank_peaks = [0] * num_ranks
@@ -340,10 +375,11 @@ def evaluate_partition(
     data_parallel_size: int = 1,
     bucket_bytes: int = BUCKET_BYTES,
     sharded: bool = False,
+    ties: Sequence[tuple[int, int, LayerCost | int]] = (),
 ) -> Partition:
     """The :class:`Partition` (with predicted peaks) of a given split ``sizes`` (layers per stage).
 
-    ``data_parallel_size``, ``bucket_bytes`` and ``sharded`` as in :func:`partition_layers`.
+    ``data_parallel_size``, ``bucket_bytes``, ``sharded`` and ``ties`` as in :func:`partition_layers`.
 
     Example::
 
@@ -356,8 +392,9 @@ def evaluate_partition(
         owner="evaluate_partition",
     )
     dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "evaluate_partition", sharded)
+    together = _together(_check_ties(ties, len(layers), "evaluate_partition"), len(layers), schedule, len(sizes), v)
     bounds = _boundaries_from_sizes(sizes, len(layers))
-    return _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, method, dp, bucket, sharded)
+    return _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, method, dp, bucket, sharded, together)
 
 
 # -- exact minimax partition ------------------------------------------------------------------------------
@@ -482,6 +519,7 @@ def partition_layers(
     data_parallel_size: int = 1,
     bucket_bytes: int = BUCKET_BYTES,
     sharded: bool = False,
+    ties: Sequence[tuple[int, int, LayerCost | int]] = (),
 ) -> Partition:
     """The contiguous split of ``costs`` into ``num_stages`` stages with the smallest largest per-rank peak.
 
@@ -500,6 +538,9 @@ def partition_layers(
             :func:`~lightning_memkit.pipeline.gradients.average_gradients`).
         sharded: each layer is an FSDP2 unit sharded over the ``data_parallel_size`` replicas
             (``data_parallel="fsdp"``) instead of replicated (DDP, the default); see the module doc.
+        ties: ``(i, j, cost)`` for layers ``i < j`` that share parameters, ``cost`` (a :class:`LayerCost` or
+            static bytes) their bytes counted in both layers; a rank that always holds both pays them once
+            (see the module doc).
 
     Example::
 
@@ -510,18 +551,20 @@ def partition_layers(
     layers, v, microbatches, inflight, ranks = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank)
     check_int(max_bytes_per_rank, "max_bytes_per_rank", minimum=1, allow_none=True, owner="partition_layers")
     dp, bucket = _check_dp(data_parallel_size, bucket_bytes, "partition_layers", sharded)
+    together = _together(_check_ties(ties, len(layers), "partition_layers"), len(layers), schedule, num_stages, v)
     n, p = len(layers), num_stages // v
     if v > 2:
         raise ValueError(
             f"stages_per_rank={v}: the exact memory partition for 'interleaved_1f1b' supports 2 stages per rank; "
             "pass explicit sizes (evaluate_partition) or use stages_per_rank=2"
         )
-    mats = _matrices(layers, num_stages, inflight, microbatches, dp, bucket, sharded)
+    mats = _matrices(layers, num_stages, inflight, microbatches, dp, bucket, sharded, together)
     sched = schedule.lower()
     minimax = _Objective()
     best, _ = _solve(mats, n, p, v, sched, minimax)
     _, bounds = _solve(mats, n, p, v, sched, _Objective(cap=best, splits=minimax.splits))
-    result = _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, "memory", dp, bucket, sharded)
+    result = _finish(layers, bounds, v, schedule, microbatches, inflight, ranks, "memory", dp, bucket, sharded,
+                     together)
     value = result.max_peak_bytes
     assert value == int(best), (value, best)
     if max_bytes_per_rank is not None and value > max_bytes_per_rank:
@@ -545,6 +588,7 @@ def uniform_partition(
     data_parallel_size: int = 1,
     bucket_bytes: int = BUCKET_BYTES,
     sharded: bool = False,
+    ties: Sequence[tuple[int, int, LayerCost | int]] = (),
 ) -> Partition:
     """Equal layer counts per stage (the first ``L mod N`` stages get one more), scored with the memory model."""
     layers, *_ = _check_common(costs, num_stages, schedule, microbatches, stages_per_rank, owner="uniform_partition")
@@ -552,7 +596,7 @@ def uniform_partition(
     sizes = [n // num_stages + (1 if s < n % num_stages else 0) for s in range(num_stages)]
     return evaluate_partition(
         layers, sizes, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank, method="uniform",
-        data_parallel_size=data_parallel_size, bucket_bytes=bucket_bytes, sharded=sharded,
+        data_parallel_size=data_parallel_size, bucket_bytes=bucket_bytes, sharded=sharded, ties=ties,
     )
 
 
@@ -566,6 +610,7 @@ def parameter_balanced_partition(
     data_parallel_size: int = 1,
     bucket_bytes: int = BUCKET_BYTES,
     sharded: bool = False,
+    ties: Sequence[tuple[int, int, LayerCost | int]] = (),
 ) -> Partition:
     """The split with the smallest largest per-*stage* trainable-parameter bytes, scored with the memory model.
 
@@ -588,4 +633,5 @@ def parameter_balanced_partition(
     return evaluate_partition(
         layers, sizes, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
         method="parameters", data_parallel_size=data_parallel_size, bucket_bytes=bucket_bytes, sharded=sharded,
+        ties=ties,
     )

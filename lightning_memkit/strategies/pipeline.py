@@ -8,9 +8,10 @@ The LightningModule lists its layers in order and names its loss (the layer prot
         def pipeline_loss(self, output, target) -> Tensor: ...   # mean loss of one microbatch
         def pipeline_inputs(self, batch) -> tuple[Any, Any]: ... # optional; default: batch is (inputs, target)
 
-or it holds a Hugging Face causal LM (one transformers ``PreTrainedModel`` among its modules with
-``.model.embed_tokens``, ``.model.layers``, ``.model.norm``, ``.model.rotary_emb`` and ``.lm_head``, of a
-family in :data:`~lightning_memkit.hf.pipeline_stages.SUPPORTED_MODEL_TYPES`) and reads dict batches
+or it holds a Hugging Face decoder-only causal LM (one transformers ``PreTrainedModel`` among its modules with
+``.model.embed_tokens``, ``.model.layers``, ``.model.norm``, ``.model.rotary_emb`` and ``.lm_head``, of any family
+whose stages reproduce it: :func:`~lightning_memkit.hf.pipeline_stages.causal_lm_problems` and the probe of
+:func:`~lightning_memkit.hf.pipeline_stages.causal_lm_stages`) and reads dict batches
 (``input_ids``, ``labels``, optional ``attention_mask``): the strategy then splits it with
 :func:`~lightning_memkit.hf.pipeline_stages.causal_lm_stages` and trains it on HF's own loss (router aux loss
 included); see that module for what crosses the stage boundaries. The explicit protocol wins where both exist.
@@ -73,6 +74,7 @@ from lightning_memkit.pipeline import (
 from lightning_memkit.pipeline import checkpoint as ckpt_format
 from lightning_memkit.pipeline.checkpoint_match import model_mismatch
 from lightning_memkit.pipeline.config import PipelineConfig
+from lightning_memkit.pipeline.cost import shared_parameter_costs
 from lightning_memkit.pipeline.gradients import (
     average_gradients,
     broadcast_tensors,
@@ -92,7 +94,7 @@ __all__ = ["MemkitPipelineStrategy", "load_pipeline_state_dict", "PROTOCOL"]
 
 PROTOCOL = ("pipeline_layers", "pipeline_loss")
 _HF_LAYOUT = (
-    "a transformers causal LM (a PreTrainedModel with .model.embed_tokens, .model.layers, .model.norm, "
+    "a transformers decoder-only causal LM (a PreTrainedModel with .model.embed_tokens, .model.layers, .model.norm, "
     ".model.rotary_emb and an nn.Linear .lm_head)"
 )
 _OWNER = "MemkitPipelineStrategy"
@@ -435,6 +437,7 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         if previous is not None and previous.num_stages == num_stages and previous.boundaries[-1] == len(layers):
             return previous  # fit, then validate/test with the same trainer: the layers are already split
         _refuse_meta_layers(layers)
+        kwargs["ties"] = shared_parameter_costs(layers, optimizer)  # tied embeddings: once on a rank holding both
         static = self._static_partition(layers, num_stages, optimizer, kwargs)
         if static is not None:
             return static

@@ -127,12 +127,12 @@ def _llama(**changes) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _gemma2() -> dict:
+def _gpt2() -> dict:
+    """A causal LM of another layout (``transformer.h``, no ``model.layers``): not split by the pipeline."""
     import transformers
 
-    return json.loads(transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                vocab_size=256).to_json_string())
+    return json.loads(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128,
+                                              bos_token_id=0, eos_token_id=0).to_json_string())
 
 
 @pytest.fixture
@@ -169,8 +169,9 @@ BAD_INPUTS = [  # (config.json content, flags, what the one line says)
      "num_experts_per_tok=5: must be <= num_experts=4"),
     ([_llama()], [], "holds a JSON list; a config.json holds one object"),
     (_llama(model_type="llamma"), [], "model_type 'llamma' is not one of transformers"),
-    (_gemma2(), ["--pipeline", "2", "--batch-size", "4"], "--pipeline: model_type 'gemma2' of .* is not split by "
-                                                          "memkit_pipeline; supported families: llama, mistral"),
+    (_gpt2(), ["--pipeline", "2", "--batch-size", "4", "--seq-len", "16"],
+     r"--pipeline: model_type 'gpt2' of .* is not split by memkit_pipeline: no .model.embed_tokens \(Embedding\); no "
+     r".model.layers \(ModuleList\)"),
 ]
 
 

@@ -5,9 +5,12 @@
 
 ``ROUTER_AUX`` (default ``exact``) is passed to the strategy of every scenario (it matters for the MoE ones).
 ``python _pipeline_hf_worker.py OUT cuda`` instead runs one rank on one GPU (nccl): every family, fused or not,
-against a plain single-GPU Trainer.
+against a plain single-GPU Trainer. ``python _pipeline_hf_worker.py OUT families`` (2 ranks) trains the families
+of :data:`FAMILY_SCENARIOS` (Gemma2, Gemma3, Phi3, Qwen2-MoE, OLMoE, DeepSeek-V3) for :data:`FAMILY_STEPS` steps
+each and writes ``OUT/families<r>.json``.
 
-Every scenario trains ``lightning_memkit.demo.HFCausalLM`` (no pipeline methods) under
+Every scenario trains ``lightning_memkit.demo.HFCausalLM`` (or, for the other families, :class:`FamilyLM`, the same
+module over any :data:`~lightning_memkit.demo.hf_models.TINY_HF_FAMILIES` member; no pipeline methods) under
 ``strategy="memkit_pipeline"`` on 2 ranks and writes the logged losses to ``OUT/rank<r>.json``.
 """
 
@@ -25,6 +28,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_memkit.demo import ByteTextDataModule, HFCausalLM
+from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
 
 warnings.filterwarnings("ignore")
 STEPS = 4
@@ -158,10 +162,82 @@ def cuda(out: Path) -> None:
     (out / "cuda.json").write_text(json.dumps(result))
 
 
+# -- the other families: 3 steps each on padded batches ------------------------------------------------------
+FAMILY_STEPS = 3
+
+# name: family, strategy arguments (every one on padded batches of BATCH x SEQ, 4 microbatches of 2 rows); the
+# Gemmas and Phi3 get sliding windows of 8 tokens (SEQ is 32)
+FAMILY_SCENARIOS = {
+    "gemma2": ("gemma2", {"schedule": "dualpipev"}),  # tied embedding and head both on rank 0, logit softcap
+    "gemma2_fused": ("gemma2", {"fused_loss": True}),  # 1F1B: tie across the ranks, softcap in the fused loss
+    "gemma3_text": ("gemma3_text", {}),  # local and global rotary pairs carried, sliding and full layers
+    "phi3": ("phi3", {"schedule": "gpipe"}),  # every layer sliding (config.sliding_window, no layer_types)
+    "qwen2_moe": ("qwen2_moe", {}),  # shared expert, a dense first layer, router aux loss
+    "olmoe": ("olmoe", {"partition": "uniform"}),  # router aux loss, an even split of the layers
+    "deepseek_v3": ("deepseek_v3", {"schedule": "dualpipev"}),  # MLA, a dense first layer, MoE (no aux loss)
+}
+WINDOWS = {"gemma2": 8, "gemma3_text": 8, "phi3": 8}
+
+
+class FamilyLM(pl.LightningModule):
+    """``HFCausalLM`` for any tiny family: hidden 64, 4 layers, AdamW at 1e-2, the model's own loss."""
+
+    def __init__(self, family: str):
+        super().__init__()
+        window = {"sliding_window": WINDOWS[family]} if family in WINDOWS else {}
+        self.model = tiny_hf_causal_lm(family, seed=0, hidden_size=64, num_layers=4, **window)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def family_fit(name: str, **kwargs) -> dict:
+    """``FAMILY_STEPS`` steps of scenario ``name`` (2 ranks under the strategy, or one plain process), then the
+    validation loss of a padded batch of 7 rows."""
+    family, _ = FAMILY_SCENARIOS[name]
+    record = Record()
+    fit = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                     callbacks=[record], **kwargs)
+    module = FamilyLM(family)
+    fit.fit(module, DataLoader(Padded(BATCH * FAMILY_STEPS), batch_size=BATCH))
+    val = fit.validate(module, val_data(), verbose=False)[0]["val_loss"]
+    return {"losses": record.losses, "val": val}
+
+
+def family_reference(name: str) -> dict:
+    """A plain single-process Trainer on the same module, data and optimizer."""
+    return family_fit(name, devices=1)
+
+
+def families(out: Path, rank: int) -> None:
+    from lightning_memkit.strategies import MemkitPipelineStrategy
+
+    result = {}
+    for name, (_, args) in FAMILY_SCENARIOS.items():
+        strategy = MemkitPipelineStrategy(**{"microbatches": 4, "timeout": 60, **args})
+        result[name] = family_fit(name, devices=2, strategy=strategy)
+    (out / f"families{rank}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     if sys.argv[2:] == ["cuda"]:
         cuda(out)
+        return
+    if sys.argv[2:] == ["families"]:
+        torch.set_num_threads(1)
+        families(out, int(os.environ["LOCAL_RANK"]))
         return
     ROUTER_AUX[0] = sys.argv[2] if len(sys.argv) > 2 else "exact"
     rank = int(os.environ["LOCAL_RANK"])
