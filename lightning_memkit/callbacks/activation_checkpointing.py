@@ -34,6 +34,7 @@ from lightning_memkit.common.progress import WorkProgress, progress_enabled
 from lightning_memkit.common.validation import check_bool, check_int
 from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
 from lightning_memkit.measure.allocator_peak import AllocatorPeak
+from lightning_memkit.measure.compiled import runs_compiled
 from lightning_memkit.measure.live_peak import LivePeak, unmeasured
 from lightning_memkit.measure.saved_tensors import SavedTensorRecorder
 from lightning_memkit.measure.storage import unique_storage_bytes
@@ -68,18 +69,6 @@ _MAX_PROBES = 4  # mixed plans: measured plans tried (the cheapest that fits is 
 
 def _mute(*_args: Any, **_kwargs: Any) -> None:
     """Stands in for ``log``/``log_dict`` during planning runs (one object: a compiled step is not re-guarded)."""
-
-
-def _runs_compiled(pl_module: nn.Module) -> bool:
-    """Whether ``torch.compile`` runs the step: a compiled submodule (``torch.compile(module)``, ``module.compile()``)
-    or a compiled LightningModule given to ``Trainer.fit`` (Lightning wraps its ``forward``/``training_step``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-           for m in pl_module.modules()):
-        return True
-    steps = (vars(pl_module).get(name) for name in ("forward", "training_step"))
-    return any(hasattr(step, "_torchdynamo_orig_callable") for step in steps)
 
 
 def _unwrap_compiled(name: str, module: nn.Module) -> tuple[str, nn.Module]:
@@ -321,7 +310,7 @@ class ActivationCheckpointing(Callback):
                 f"on {device}; set offload=False"
             )
         self._device = str(device)
-        self._compiled = _runs_compiled(pl_module)
+        self._compiled = runs_compiled(pl_module)
         self._candidates = [(name, weakref.ref(m)) for name, m in chosen]
         self.checkpointed, self.modes = [], {}
         self.measured_peak_bytes = None
@@ -613,8 +602,8 @@ class ActivationCheckpointing(Callback):
         """One eager forward+backward of ``training_step`` outside the loop: peak, per-candidate activations and
         inputs, and (``meter``) each candidate's recompute time per mode.
 
-        It runs under ``torch.compiler.set_stance("force_eager")``: dynamo does not compile under a dispatch mode
-        (LivePeak's) and marks a code object it meets there to be skipped for good, compiled entries included.
+        The recorder runs compiled code eagerly (``torch.compiler.set_stance("force_eager")``): per-layer bytes
+        need the eager forward, and the compiled entries stay in place for the training steps.
         """
         self._progress.step(f"({len(modes)} of {len(self._candidates)} layers recomputed)")
         inputs: Counter = Counter()
@@ -622,7 +611,7 @@ class ActivationCheckpointing(Callback):
             hooks = [m.register_forward_pre_hook(self._input_counter(name, inputs), with_kwargs=True)
                      for name, m in candidates]
             timer = RecomputeCostMeter(candidates) if meter else contextlib.nullcontext()
-            try:  # force_eager: a frame dynamo first meets under a dispatch mode is never compiled again
+            try:
                 with torch.compiler.set_stance("force_eager"), timer, SavedTensorRecorder(pl_module) as rec:
                     loss = self._step(trainer, pl_module, batch, batch_idx, rec)
                     report = rec.report(output=loss, include_peak=True)

@@ -27,6 +27,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torchmetrics import MaxMetric, MeanMetric
 
 from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.allocator_peak import AllocatorPeak
+from lightning_memkit.measure.compiled import compiled_parts
 from lightning_memkit.measure.device import resolve_device
 from lightning_memkit.measure.live_peak import LivePeak
 from lightning_memkit.measure.report import StaticMemoryTable, memory_effects, render_text, static_memory_table
@@ -51,6 +53,18 @@ class PeakMemoryMonitor(Callback):
       byte for storages created during the step. Its dispatch mode costs Python time per op, so only
       every ``cpu_sample_every_n_steps``-th batch is measured (batches 0, n, 2n, ...); the others cost
       one integer test. Set it to 1 to measure every step.
+
+    ``torch.compile``: measuring never leaves a model uncompiled. On CUDA the allocator's counters see
+    compiled code as any other. On CPU, when the model runs compiled code (a compiled LightningModule
+    passed to ``Trainer.fit``, ``torch.compile(submodule)`` or ``submodule.compile()``, found at train start
+    by :func:`~lightning_memkit.measure.compiled.runs_compiled`), the sampled steps are counted by the CPU
+    allocator instead (:class:`~lightning_memkit.measure.allocator_peak.AllocatorPeak`, ``torch.profiler``'s
+    memory events), because inductor's kernels allocate their buffers where LivePeak's dispatch mode
+    cannot see them; ``summary["method"]`` says ``"AllocatorPeak"`` and one info line says why. That
+    count needs the profiler to itself: a step during which another profiler session runs, or a planning
+    run (``ActivationCheckpointing(budget_bytes=...)``) measures with its own, is not recorded (one
+    warning). On other devices a compiled model's steps are not recorded (one warning); no CPU timeline
+    is drawn for a compiled model (one warning).
 
     Step peaks are aggregated with torchmetrics (``MaxMetric``, ``MeanMetric``, synced over ranks at
     epoch and training end). Measured steps are written to every logger every ``log_every_n_steps``-th
@@ -117,10 +131,13 @@ class PeakMemoryMonitor(Callback):
             m.set_dtype(torch.float64)  # byte counts stay exact up to 2**53
         self._pending = _no_pending()
         self._tracker: LivePeak | None = None
+        self._counter: AllocatorPeak | None = None
+        self._compiled: list[str] = []  # compiled parts found at train start (CPU and other devices)
         self._cuda_start: int | None = None
         self._batches = 0
         self._measured = 0
         self._warned_nesting = False
+        self._warned: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -139,6 +156,7 @@ class PeakMemoryMonitor(Callback):
         self.static_table = None
         self.last_step_peak = self.last_step_peak_allocated = None
         self._batches = self._measured = 0
+        self._compiled = []
         self._timeline = _Timeline(self._timeline_target(trainer))
         self.timeline_path = None
 
@@ -157,6 +175,35 @@ class PeakMemoryMonitor(Callback):
 
             Console().print(self.static_table.table())
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after configure_model and the strategy's wrapping: the model as it will run
+        self._compiled = [] if self.uses_cuda_counters else compiled_parts(pl_module)
+        if not self._compiled:
+            return
+        parts = ", ".join(name or type(pl_module).__name__ for name in self._compiled[:3])
+        parts += ", ..." if len(self._compiled) > 3 else ""
+        if self.counts_with_allocator:
+            log.info(
+                "PeakMemoryMonitor: %s runs compiled; inductor's kernels allocate outside LivePeak's view, so the "
+                "CPU allocator counts the sampled steps (AllocatorPeak, torch.profiler memory events)", parts
+            )
+        else:
+            self._warn_once(
+                "device", f"PeakMemoryMonitor: {parts} runs compiled on {self.device}, where neither LivePeak (blind "
+                "to inductor's buffers) nor the allocator counters can count the step; steps are not recorded"
+            )
+        if self._timeline.path is not None and self._timeline._state == "idle":
+            self._timeline.stop()
+            self._warn_once(
+                "timeline", "PeakMemoryMonitor(timeline=...): the CPU timeline is drawn from LivePeak's count, "
+                f"which does not see inside {parts}'s compiled code; no timeline is written"
+            )
+
+    @property
+    def counts_with_allocator(self) -> bool:
+        """Whether CPU steps are counted by the allocator (a compiled model on CPU) rather than by ``LivePeak``."""
+        return bool(self._compiled) and self.device is not None and self.device.type == "cpu"
+
     @property
     def uses_cuda_counters(self) -> bool:
         """Whether steps are measured with the CUDA allocator's counters (else with ``LivePeak``)."""
@@ -171,6 +218,9 @@ class PeakMemoryMonitor(Callback):
             self._cuda_start = torch.cuda.memory_allocated(self.device)
             return
         if index % self.cpu_sample_every_n_steps:
+            return
+        if self._compiled:
+            self._start_counter()
             return
         tracker = LivePeak()
         self._timeline.start_cpu(tracker, str(self.device))
@@ -193,6 +243,11 @@ class PeakMemoryMonitor(Callback):
             self._record(trainer, allocated - self._cuda_start, allocated)
             self._cuda_start = None
             self.timeline_path = self._timeline.finish() or self.timeline_path
+            return
+        counter = self._counter
+        if counter is not None:
+            if self._close_tracker():
+                self._record(trainer, counter.peak_bytes, None)
             return
         tracker = self._tracker
         if tracker is None:
@@ -218,7 +273,7 @@ class PeakMemoryMonitor(Callback):
         peak, mean, allocated = self._compute()
         self.summary = {
             "device": str(self.device),
-            "method": "torch.cuda.max_memory_allocated" if self.uses_cuda_counters else "LivePeak",
+            "method": self._method(),
             "measured_steps": self._measured,
             "sample_every_n_steps": 1 if self.uses_cuda_counters else self.cpu_sample_every_n_steps,
             "max_step_peak_bytes": None if peak is None else int(peak),
@@ -318,6 +373,28 @@ class PeakMemoryMonitor(Callback):
         ]
         return max(peaks, default=0)
 
+    def _method(self) -> str:
+        if self.uses_cuda_counters:
+            return "torch.cuda.max_memory_allocated"
+        return "AllocatorPeak" if self.counts_with_allocator else "LivePeak"
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    def _start_counter(self) -> None:
+        """A compiled model's sampled step on CPU: the allocator counts it, if the profiler is free."""
+        if not self.counts_with_allocator:
+            return
+        if torch.autograd.profiler._is_profiler_enabled:
+            self._warn_once(
+                "profiler", "PeakMemoryMonitor: another torch.profiler session runs during a sampled step; the "
+                "allocator count of a compiled model needs the profiler, so such steps are not recorded"
+            )
+            return
+        self._counter = AllocatorPeak("cpu").__enter__()
+
     def _close_tracker(self) -> bool:
         """Leave the open tracker, if any; ``True`` when it counted the whole step (its peak can be used).
 
@@ -325,6 +402,15 @@ class PeakMemoryMonitor(Callback):
         callback's tracker closed in a later hook). If its mode is no longer on the stack, someone popped
         it before the step ended: the count missed part of the step and is dropped, with a warning.
         """
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            if not counter.complete:
+                self._warn_once(
+                    "interrupted", "PeakMemoryMonitor: another AllocatorPeak (a planning run's own count) stopped the "
+                    "profiler session of a sampled step of the compiled model; such steps are not recorded"
+                )
+            return counter.complete
         tracker, self._tracker = self._tracker, None
         if tracker is None:
             return False

@@ -20,6 +20,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
 from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.compiled import runs_compiled
 from lightning_memkit.measure.saved_tensors import SavedTensorRecorder, SavedTensorReport
 
 __all__ = ["SavedTensorProfiler"]
@@ -45,6 +46,10 @@ class SavedTensorProfiler(Callback):
     ``trainer.default_root_dir``) and logs ``memkit/saved_activation_bytes`` and ``memkit/saved_weight_bytes``
     to every logger. ``last_report`` holds the latest :class:`SavedTensorReport`, ``written`` every path
     written. With manual optimization, the first backward of the step ends the recording.
+
+    ``torch.compile``: a profiled step runs the model's compiled code eagerly (bytes per module need the eager
+    forward; see :class:`~lightning_memkit.measure.saved_tensors.SavedTensorRecorder`), said once in an info
+    line; the other steps run the compiled graph, which is neither recompiled nor left uncompiled.
 
     Args:
         every_n_steps: profile every this many optimizer steps (an int >= 1).
@@ -84,6 +89,9 @@ class SavedTensorProfiler(Callback):
     # -- hooks -------------------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_step = -1  # a new fit may start again from the same global_step
+        if runs_compiled(pl_module):
+            log.info("SavedTensorProfiler: the model runs compiled code; profiled steps run it eagerly (bytes per "
+                     "module need the eager forward), the others compiled")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step

@@ -209,16 +209,26 @@ def fused_linear_cross_entropy(
             del model.forward
 
 
+def _unwrap(module: Any) -> Any:
+    """The model inside ``torch.compile``'s wrapper (``OptimizedModule``: the module it compiles) and peft's."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while isinstance(module, OptimizedModule):
+        module = module._orig_mod  # the wrapped module; patching its forward recompiles the wrapper
+    return unwrap_peft(module)
+
+
 def find_causal_lms(pl_module: Any) -> list[Any]:
     """The HF causal LMs of ``pl_module``: itself if it is a ``PreTrainedModel``, else its attributes that are;
-    a peft model (``PeftModel``) in either place stands for the causal LM inside it."""
+    a peft model (``PeftModel``) or a ``torch.compile``-d one in either place stands for the causal LM inside it."""
     from transformers import PreTrainedModel
 
-    inner = unwrap_peft(pl_module)
+    inner = _unwrap(pl_module)
     if isinstance(inner, PreTrainedModel):
         return [inner]
-    found = [m for m in map(unwrap_peft, vars(pl_module).get("_modules", {}).values())
+    found = [m for m in map(_unwrap, vars(pl_module).get("_modules", {}).values())
              if isinstance(m, PreTrainedModel) and hasattr(m, "lm_head")]
+    found = list({id(m): m for m in found}.values())  # one model held twice (itself and compiled) is patched once
     if not found:
         raise ValueError(f"FusedLinearCrossEntropy: {type(pl_module).__name__} is not a transformers PreTrainedModel "
                          "and has no attribute that is a PreTrainedModel with an `lm_head` (or a peft model around "

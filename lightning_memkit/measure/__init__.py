@@ -2,6 +2,7 @@
 autograd saves, device queries, and the report that shows them. Pure torch (never imports Lightning)."""
 
 from lightning_memkit.measure.allocator_peak import AllocatorPeak
+from lightning_memkit.measure.compiled import compiled_parts, runs_compiled
 from lightning_memkit.measure.device import (
     active_device_index,
     device_total_memory,
@@ -18,7 +19,7 @@ from lightning_memkit.measure.storage import format_bytes, storage_key, storage_
 
 __all__ = [
     "AllocatorPeak", "DeviceBytes", "HostRSS", "LivePeak", "MemoryReport", "SavedTensorReport", "SavedTensorRow",
-    "active_device_index", "current_rss_bytes", "device_total_memory", "effective_device_memory", "format_bytes",
-    "free_device_memory", "memory_effects", "memory_fraction", "profile_saved_tensors", "resolve_device",
-    "static_memory_table", "storage_key", "storage_of", "unique_storage_bytes",
+    "active_device_index", "compiled_parts", "current_rss_bytes", "device_total_memory", "effective_device_memory",
+    "format_bytes", "free_device_memory", "memory_effects", "memory_fraction", "profile_saved_tensors",
+    "resolve_device", "runs_compiled", "static_memory_table", "storage_key", "storage_of", "unique_storage_bytes",
 ]

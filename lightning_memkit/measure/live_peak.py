@@ -7,6 +7,15 @@ is exact on every device for the storages torch allocates through ops (what the 
 adds on CUDA is cross-checked with ``torch.cuda.max_memory_allocated``). Storages that existed
 before the block (parameters, inputs) are never counted, even when ops write into them in place.
 
+``torch.compile``: a compiled function or module called inside the block is compiled as usual (the mode
+is off while dynamo traces and compiles, so the compile's own work is not counted) and its compiled code
+runs with the mode on, and stays compiled after the block. What the compiled code runs through the
+dispatcher is counted: every op with the ``eager`` and ``aot_eager`` backends, so the count is the same
+as for the uncompiled code. Inductor's kernels write into buffers that inductor allocates itself, outside
+the dispatcher: LivePeak does not see those. For an inductor-compiled step, count with
+:class:`~lightning_memkit.measure.allocator_peak.AllocatorPeak` (the allocator's own events) instead;
+:func:`~lightning_memkit.measure.compiled.runs_compiled` tells whether a model runs compiled code.
+
 Example::
 
     >>> import torch
@@ -24,13 +33,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from lightning_memkit.measure.allocator_peak import excluded_range
 from lightning_memkit.measure.storage import has_storage, iter_op_tensors, storage_key, storage_of
 
 __all__ = ["LivePeak", "DeviceBytes", "note_storage_resized", "unmeasured"]
@@ -52,13 +63,15 @@ def unmeasured() -> Iterator[None]:
     still alive when the block ends (storages that the block created and kept do count), and its
     ``on_change`` sampler is not called inside the block. On CUDA the
     allocator's peak counters restart at the end of the block, so a ``max_memory_allocated`` read later
-    does not see the block's peak either.
+    does not see the block's peak either, and an open CPU
+    :class:`~lightning_memkit.measure.allocator_peak.AllocatorPeak` skips the block's peaks in the same way.
     """
     saved = [(t, t.peak_bytes, {d: b.peak for d, b in t.by_device.items()}, t.on_change) for t in _ACTIVE]
     for tracker in _ACTIVE:
         tracker.on_change = None  # a timeline sampler skips the block too
     try:
-        yield
+        with excluded_range():  # the same for the open CPU AllocatorPeak counters
+            yield
     finally:
         for tracker, peak, by_device, on_change in saved:
             with tracker._lock:
@@ -91,6 +104,13 @@ class _Mode(TorchDispatchMode):
     def __init__(self, tracker: LivePeak):
         super().__init__()
         self.tracker = tracker
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this, dynamo meets a non-infra dispatch mode on the stack, refuses to compile and marks the
+        # frame's code to be skipped for good: a model first called under LivePeak would never compile. With it,
+        # torch.compile traces and compiles with the mode off and runs the compiled code with the mode on.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -130,6 +150,10 @@ def _leave_mode(mode: TorchDispatchMode | None, exc: tuple) -> None:
 class LivePeak:
     """Context manager: live and peak bytes of the storages created while it is active.
 
+    Entered under a ``FakeTensorMode`` it counts fake storages (their sizes: an estimate); entered outside one it
+    counts real storages only, so a fake-tensor estimate run inside the block (``MemoryBudget``'s planning) adds
+    nothing.
+
     Attributes (readable inside and after the block):
         peak_bytes: the highest total of live bytes seen (all devices together).
         live_bytes: bytes of storages created in the block and still alive now.
@@ -157,6 +181,7 @@ class LivePeak:
         self.peak_bytes = 0
         self.cuda_peak_delta: dict[str, int] | None = None
         self.on_change: Callable[[str, int], None] | None = None
+        self._counts_fake = False
 
     # -- context -----------------------------------------------------------------------------------
     def __enter__(self) -> LivePeak:
@@ -166,6 +191,9 @@ class LivePeak:
             for i in range(torch.cuda.device_count()):
                 self._cuda_start[i] = torch.cuda.memory_allocated(i)
                 torch.cuda.reset_peak_memory_stats(i)
+        # entered under a fake mode, it counts fake storages (an estimate); else only real ones: a fake tensor of an
+        # estimate run inside the block takes no memory
+        self._counts_fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
         self._mode = _Mode(self)
         self._mode.__enter__()
         _ACTIVE.append(self)
@@ -192,6 +220,29 @@ class LivePeak:
     def is_tracked(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage was created in the block (and is still alive)."""
         return has_storage(t) and storage_key(t) in self._entries
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Count the storages of ``tensors`` made before the block (weights, optimizer state, a batch) as if made
+        in it: they add to the live bytes now and leave them when they are freed. Already tracked storages, and
+        tensors without storage, are skipped; returns the bytes added.
+
+        Example::
+
+            >>> w = torch.zeros(256)
+            >>> with LivePeak() as lp:
+            ...     lp.track([w, w[:8]])   # one storage of 1 KiB, counted once
+            ...     del w
+            1024
+            >>> lp.live_bytes, lp.peak_bytes
+            (0, 1024)
+        """
+        before = self.live_bytes
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and has_storage(t) and (self._counts_fake or not isinstance(t, FakeTensor)):
+                key = storage_key(t)
+                if key not in self._entries:
+                    self._add(t, key)
+        return self.live_bytes - before
 
     def refresh_sizes(self) -> int:
         """Re-read the size of every tracked storage and return the change in live bytes.
@@ -223,7 +274,7 @@ class LivePeak:
     # -- bookkeeping -------------------------------------------------------------------------------
     def _observe(self, out: Any, inputs: set[int]) -> None:
         for t in iter_op_tensors(out if isinstance(out, (list, tuple)) else (out,)):
-            if not has_storage(t):
+            if not has_storage(t) or (isinstance(t, FakeTensor) and not self._counts_fake):
                 continue
             key = storage_key(t)
             if key in inputs:

@@ -252,6 +252,11 @@ class SavedTensorRecorder:
     optionally run backward (the LivePeak keeps counting until exit), then call :meth:`report`.
     The module is held weakly; every hook is removed on :meth:`stop`/exit, exceptions included.
 
+    ``torch.compile``: from entry to exit, compiled code runs eagerly (``torch.compiler.set_stance(
+    "force_eager")``, put back at exit). A compiled graph hides which module an op belongs to, and its
+    inductor buffers from the LivePeak, so the profile is the eager forward's, exact per module. Nothing
+    is compiled or marked to skip meanwhile: after exit the compiled code runs again, without a recompile.
+
     Example::
 
         >>> import torch
@@ -277,6 +282,7 @@ class SavedTensorRecorder:
         self._weight_keys: set[int] = set()
         self._order: dict[str, int] = {}
         self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._stance: Any = None
         self.live_peak: LivePeak | None = None
         self._entered = False
         self._stopped = False
@@ -304,6 +310,7 @@ class SavedTensorRecorder:
         self._order = {name: i for i, name in enumerate(names)}
         self._weight_keys = weight_storage_keys(module)
         try:
+            self._stance = torch.compiler.set_stance("force_eager")  # set now, put back by _exit_live_peak
             for name, sub in module.named_modules():
                 self._handles.append(sub.register_forward_pre_hook(self._make_pre(name)))
                 self._handles.append(sub.register_forward_hook(self._make_post(name), always_call=True))
@@ -357,9 +364,14 @@ class SavedTensorRecorder:
             self._exit_live_peak(*exc)
 
     def _exit_live_peak(self, *exc) -> None:
-        if self._counting:
-            self._counting = False
-            self.live_peak.__exit__(*exc)
+        try:
+            if self._counting:
+                self._counting = False
+                self.live_peak.__exit__(*exc)
+        finally:
+            stance, self._stance = self._stance, None
+            if stance is not None:
+                stance.__exit__(None, None, None)
 
     def _close_hooks(self) -> None:
         ctx, self._hooks_ctx = self._hooks_ctx, None

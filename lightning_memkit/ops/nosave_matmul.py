@@ -182,7 +182,9 @@ def dequantize_int8(cb: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype) -> 
 
 def dequantize_4bit(meta: Packed4bit, tensors: tuple, dtype: torch.dtype) -> torch.Tensor:
     packed, absmax, code, offset, nested_absmax, nested_code = tensors
-    flat = torch.Size((meta.shape.numel(),))  # the flat layout: see the module notes on bitsandbytes' CPU kernel
+    # the flat layout (module notes), as one row of n: bitsandbytes' CPU kernel turns a flat shape into (1, n)
+    # while its registered fake kernel keeps it flat; (1, n) agrees with both, so torch.compile's check holds
+    flat = torch.Size((1, meta.shape.numel()))
     state = meta.state(absmax, code, offset, nested_absmax, nested_code, dtype, shape=flat)
     return import_bitsandbytes().functional.dequantize_4bit(packed.reshape(-1, 1), state).reshape(meta.shape)
 
@@ -272,7 +274,7 @@ def _grad_input_4bit(meta: Packed4bit, tensors: tuple, grad: torch.Tensor) -> to
         r1 = min(out_features, r0 + rows)
         e0, e1 = r0 * in_features, r1 * in_features
         state = bnb_f.QuantState(absmax=absmax[e0 // meta.blocksize: -(-e1 // meta.blocksize)],
-                                 shape=torch.Size((e1 - e0,)), code=code, blocksize=meta.blocksize,
+                                 shape=torch.Size((1, e1 - e0)), code=code, blocksize=meta.blocksize,
                                  quant_type=meta.quant_type, dtype=grad.dtype)  # flat: see the module notes
         w = bnb_f.dequantize_4bit(flat_packed[e0 // 2: e1 // 2].view(-1, 1), state).reshape(r1 - r0, in_features)
         grad_x.addmm_(grad2[:, r0:r1], w)

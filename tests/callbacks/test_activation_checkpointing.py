@@ -351,7 +351,7 @@ def test_compiled_model_trains_with_selective_and_full_recompute(backend, fresh_
 
 def test_compiled_budget_is_planned_on_the_compiled_step(fresh_dynamo):
     plain, _ = _compiled_fit([], "aot_eager", steps=2)
-    budget = plain.peaks[-1] - 1
+    budget = plain.peaks[-1] - 1024
     callback = ActivationCheckpointing(policy={Block}, budget_bytes=budget, selective=True)
     rec, graphs = _compiled_fit([callback], "aot_eager", steps=2)
     assert callback.modes and callback.measured_peak_bytes <= budget
