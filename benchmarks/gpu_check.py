@@ -41,7 +41,8 @@ PEERS = {"cut_cross_entropy": "Cut Cross-Entropy", "liger_kernel": "Liger-Kernel
 _PAGES = ("docs/*.md",)
 _GRACE_S = 30.0  # a step may run this long past the budget before it is killed
 # benchmarks with nothing to measure on a GPU (each refuses --device cuda or measures host memory only)
-CPU_ONLY_BENCHMARKS = {"hf_load": "host memory of a checkpoint load", "hf_qlora": "CPU only (bitsandbytes on CPU)",
+CPU_ONLY_BENCHMARKS = {"budget": "the device limit is simulated with LivePeak on CPU",
+                       "hf_load": "host memory of a checkpoint load", "hf_qlora": "CPU only (bitsandbytes on CPU)",
                        "peft_qlora": "CPU only (bitsandbytes on CPU)", "pipeline_mesh": "gloo processes on CPU"}
 
 

@@ -51,6 +51,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "lightning_memkit.callbacks": (
         "ActivationCheckpointing",
         "AllocatorWarmupGuard",
+        "MemoryBudget",
         "PeakMemoryMonitor",
         "PhaseMemoryRelease",
         "SavedTensorProfiler",

@@ -4,6 +4,7 @@ work itself is done by the core folders (``measure``, ``release``, ``recompute``
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.allocator_warmup_guard import AllocatorWarmupGuard
 from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
+from lightning_memkit.callbacks.memory_budget import MemoryBudget
 from lightning_memkit.callbacks.mxfp4_loading import MXFP4CheckpointLoader
 from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
 from lightning_memkit.callbacks.phase_memory_release import PhaseMemoryRelease
@@ -15,6 +16,7 @@ __all__ = [
     "PhaseMemoryRelease",
     "AllocatorWarmupGuard",
     "FusedLinearCrossEntropy",
+    "MemoryBudget",
     "MXFP4CheckpointLoader",
     "PeakMemoryMonitor",
     "SavedTensorProfiler",

@@ -14,6 +14,7 @@ Usage::
 
     memkit fit --config examples/configs/tiny_lm.yaml
     memkit fit --config examples/configs/tiny_lm.yaml --trainer.max_steps 20 --model.n_layers 2
+    memkit fit --config examples/configs/tiny_lm.yaml --budget 24MiB   # adds MemoryBudget("24MiB")
     memkit test --config examples/configs/tiny_lm.yaml --trainer.limit_test_batches 2
     memkit --help     # every subcommand, one line each
     memkit fit --help
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import os
 import sys
-
-from lightning.pytorch.cli import ArgsType
+from typing import TYPE_CHECKING
 
 from lightning_memkit.config.errors import ConfigError
 
-__all__ = ["SUBCOMMANDS", "main", "usage"]
+if TYPE_CHECKING:  # Lightning is imported by the subcommands that run it, not by `memkit estimate`
+    from lightning.pytorch.cli import ArgsType
+
+__all__ = ["SUBCOMMANDS", "budget_arguments", "main", "usage"]
 
 
 
@@ -38,7 +41,8 @@ def _debug_requested(argv: list[str]) -> bool:
 
 
 SUBCOMMANDS = {
-    "fit": "train, then print the memory report (step peaks, saved tensors, first and last loss)",
+    "fit": "train, then print the memory report (step peaks, saved tensors, first and last loss); "
+           "--budget SIZE fits the run into SIZE (MemoryBudget)",
     "validate": "one evaluation epoch over the validation set",
     "test": "one evaluation epoch over the test set",
     "predict": "run inference and print the kind and shape of what was predicted",
@@ -89,6 +93,10 @@ def main(args: ArgsType = None) -> None:
             os.environ["MEMKIT_DEBUG"] = "1"
     try:
         _check_subcommand(argv)
+        if argv[0] == "fit" and any(a == "--budget" or a.startswith("--budget=") for a in argv):
+            argv = budget_arguments(argv)
+            if from_sys:
+                sys.argv[1:] = argv
         _run_subcommand(argv, from_sys)
     except ConfigError as err:
         if debug:
@@ -99,6 +107,38 @@ def main(args: ArgsType = None) -> None:
             print(f"  see `{command} --help` for the accepted options; add --debug for the full traceback",
                   file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def budget_arguments(argv: list[str]) -> list[str]:
+    """``memkit fit ... --budget SIZE`` as LightningCLI arguments: a :class:`~lightning_memkit.callbacks.MemoryBudget`
+    of ``SIZE`` appended to the trainer's callbacks.
+
+    Example::
+
+        >>> budget_arguments(["fit", "--config", "c.yaml", "--budget", "24GiB"])[3:]
+        ['--trainer.callbacks+=lightning_memkit.callbacks.MemoryBudget', '--trainer.callbacks.budget=24GiB']
+    """
+    out, value, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--budget" or arg.startswith("--budget="):
+            if value is not None:
+                raise ConfigError("--budget: given twice; give it once", hint=False)
+            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            if not value or value.startswith("--"):
+                raise ConfigError("--budget: needs a size, e.g. --budget 24GiB (or bytes, or a fraction such as 0.9)",
+                                  hint=False)
+            continue
+        out.append(arg)
+        i += 1
+    from lightning_memkit.callbacks.memory_budget import check_budget
+
+    try:
+        check_budget(value)  # a clear error before anything is built
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"--budget: {err}", hint=False) from None
+    return [*out, "--trainer.callbacks+=lightning_memkit.callbacks.MemoryBudget", f"--trainer.callbacks.budget={value}"]
 
 
 def _run_subcommand(argv: list[str], from_sys: bool) -> None:

@@ -1,0 +1,220 @@
+"""The estimate of a module as built: a fake copy of its parameters (no memory), its own ``training_step`` and
+``configure_optimizers``, one real batch; and :class:`ModuleRun`, the plans :func:`search_plans` tries on it.
+
+:class:`~lightning_memkit.callbacks.MemoryBudget` plans with this at ``setup``: the module is the one the user
+built (weights already in memory), so it is not built again; :func:`fake_copy` copies its structure with every
+parameter and buffer replaced by a fake tensor of the same shape, dtype and ``requires_grad``.
+
+Example (a two-layer MLP whose ``training_step`` is the loss; plans for 70% of its predicted peak)::
+
+    >>> import torch
+    >>> from lightning_memkit.estimate.module import ModuleRun
+    >>> from lightning_memkit.estimate.plans import search_plans
+    >>> class MLP(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.blocks = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+    ...     def training_step(self, batch, batch_idx):
+    ...         x = batch
+    ...         for block in self.blocks:
+    ...             x = torch.relu(block(x))
+    ...         return x.square().mean()
+    ...     def configure_optimizers(self):
+    ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+    >>> run = ModuleRun(MLP(), torch.randn(2048, 256), batch_size=2048)
+    >>> base = run.estimate(run.base)
+    >>> result = search_plans(run, int(base.peak_bytes * 0.7), margin=0.0)
+    >>> result.fitting[0].plan.describe(run.base)
+    'micro-batch 1024 x 2 accumulation'
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memkit.estimate.plans import Plan, batch_splits, stronger_checkpoints, stronger_precisions
+from lightning_memkit.estimate.step import PRECISIONS, MemoryEstimate, estimate_training_memory
+
+__all__ = ["AXES", "ModuleRun", "batch_rows", "batch_tensors", "configured_optimizer", "fake_copy", "micro_batch",
+           "step_loss"]
+
+AXES = ("recompute", "fused_loss", "micro_batch", "precision")
+_OWNER = "ModuleRun"
+
+
+def fake_copy(module: nn.Module, keep: Sequence[Any] = ()) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are new tensors of the same shapes, dtypes, devices and
+    ``requires_grad`` (fake ones, made under the estimate's fake mode: no memory); every other attribute is
+    deep-copied, except the objects in ``keep`` (e.g. the Trainer: shared, never copied) and a LightningModule's
+    trainer reference, which the copy does not get (``self.log`` in its ``training_step`` then does nothing).
+
+    Raises:
+        TypeError: a parameter of a subclass (a quantized ``Params4bit``, a ``DTensor``): its storage cannot be
+            reproduced from its shape; estimate before converting the module.
+    """
+    memo: dict[int, Any] = {id(obj): obj for obj in keep}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if type(p) is not nn.Parameter:
+            raise TypeError(f"{_OWNER}: parameter {name!r} is a {type(p).__name__}, not a torch.nn.Parameter; "
+                            "estimate the module before it is converted, quantized or sharded")
+        memo.setdefault(id(p), nn.Parameter(_like(p), requires_grad=p.requires_grad))
+    for b in module.buffers():
+        memo.setdefault(id(b), _like(b))
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None:
+        memo[id(trainer)] = None
+    return copy.deepcopy(module, memo)
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor of ``t``'s shape, dtype and device from a factory: fake under the estimate's fake mode (an op
+    on the real ``t``, such as ``empty_like``, would run for real there and allocate a real copy)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def step_loss(module: Any, batch: Any) -> torch.Tensor:
+    """``module.training_step(batch, 0)``, or its ``"loss"`` when it returns a dict."""
+    out = module.training_step(batch, 0)
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def configured_optimizer(module: Any) -> torch.optim.Optimizer:
+    """The first optimizer of ``module.configure_optimizers()`` (an optimizer, a list, a dict or a pair of lists)."""
+    out = module.configure_optimizers()
+    if isinstance(out, dict):
+        out = out["optimizer"]
+    if isinstance(out, (list, tuple)):
+        out = out[0][0] if isinstance(out[0], (list, tuple)) else out[0]
+    return out
+
+
+def batch_rows(batch: Any) -> int | None:
+    """The common leading size of every tensor in ``batch`` (nested dicts, lists, tuples), or None if they differ
+    or there is none."""
+    sizes = {t.shape[0] for t in batch_tensors(batch) if t.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def micro_batch(batch: Any, rows: int) -> Any:
+    """``batch`` with the first ``rows`` rows of every tensor (the first micro-batch of an equal split)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:rows] if batch.dim() > 0 else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: micro_batch(v, rows) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        items = [micro_batch(v, rows) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``batch`` (nested dicts, lists, tuples)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from batch_tensors(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from batch_tensors(v)
+
+
+class ModuleRun:
+    """A module as built, trained on batches like ``batch``, as :func:`search_plans` plans it.
+
+    The axes a plan may change are ``allow``'s: ``"recompute"`` (none, selective or full activation
+    checkpointing of the repeated blocks, ``policy``), ``"fused_loss"`` (when the module holds a transformers causal
+    LM, peft-wrapped too), ``"micro_batch"`` (the batch split into equal micro-batches accumulated; needs
+    ``batch_size``, the rows of ``batch``) and ``"precision"`` (``bf16-true``: changes the numerics, opt-in). The
+    base plan is the run as configured (``precision``, ``checkpoint``, ``fused_loss``).
+
+    Args:
+        module: the module (a LightningModule or any ``nn.Module`` with ``training_step`` and
+            ``configure_optimizers``); never modified.
+        batch: one training batch as the module's ``training_step`` receives it (real tensors; they count).
+        batch_size: rows per batch (``None``: the micro-batch axis is off).
+        keep: objects the fake copy shares instead of copying (the Trainer, data).
+        plugin: a precision plugin the Trainer applies (``NoSaveBitsandbytesPrecision``), estimated as applied.
+        target: ``"cpu"`` or ``"cuda"`` (:func:`~lightning_memkit.estimate.step.estimate_training_memory`).
+    """
+
+    def __init__(self, module: nn.Module, batch: Any, *, batch_size: int | None = None, precision: str = "32-true",
+                 checkpoint: str | None = None, policy: Any = "auto", fused_loss: bool = False,
+                 accumulate: int = 1, allow: Sequence[str] = ("recompute", "fused_loss", "micro_batch"),
+                 plugin: Any = None, target: str = "cpu", keep: Sequence[Any] = ()):
+        bad = [a for a in allow if a not in AXES]
+        if bad:
+            raise ValueError(f"{_OWNER}(allow=...): {bad} not axes; allowed: {', '.join(AXES)}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"{_OWNER}(precision=...): {precision!r} is not estimated; allowed: "
+                             f"{', '.join(PRECISIONS)}")
+        for name in ("training_step", "configure_optimizers"):
+            if not callable(getattr(module, name, None)):
+                raise TypeError(f"{_OWNER}(module=...): {type(module).__name__} has no {name}()")
+        self.module, self.batch, self.allow, self.plugin, self.target = module, batch, tuple(allow), plugin, target
+        self.policy, self.accumulate, self.keep = policy, accumulate, tuple(keep)
+        rows = batch_rows(batch)
+        self.batch_size = batch_size if batch_size and rows == batch_size else 0
+        self.has_causal_lm = fused_loss or _has_causal_lm(module)
+        self.base = Plan(precision, None, checkpoint, bool(fused_loss), self.batch_size)
+
+    def axes(self) -> Iterator[Plan]:
+        b = self.base
+        precisions = (stronger_precisions(b.precision) if "precision" in self.allow and self.plugin is None
+                      else [b.precision])
+        checkpoints = stronger_checkpoints(b.checkpoint) if "recompute" in self.allow else [b.checkpoint]
+        fused = sorted({b.fused_loss, "fused_loss" in self.allow and self.has_causal_lm})
+        splits = batch_splits(b.micro_batch) if "micro_batch" in self.allow and b.micro_batch else [b.micro_batch]
+        for values in itertools.product(precisions, [None], checkpoints, fused, splits):
+            yield Plan(*values)
+
+    def pipelines(self) -> Iterator[Plan]:
+        return iter(())
+
+    def estimate(self, plan: Plan) -> MemoryEstimate:
+        """The predicted step of the module with ``plan`` applied."""
+        from lightning_memkit.estimate.hf import hf_patches
+
+        rows = plan.micro_batch or None
+        batch = self.batch if rows in (None, self.batch_size) else micro_batch(self.batch, rows)
+        accumulating = self.accumulate > 1 or (rows or 0) < self.batch_size
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return estimate_training_memory(
+                lambda: fake_copy(self.module, self.keep), lambda: batch, loss_fn=step_loss,
+                optimizer=configured_optimizer, precision=plan.precision,
+                checkpoint=self.policy if plan.checkpoint else None, checkpoint_mode=plan.checkpoint or "full",
+                patches=hf_patches(plan.checkpoint is not None and self.has_causal_lm, plan.fused_loss),
+                plugin=self.plugin, zero_grad="accumulate" if accumulating else "after_forward", target=self.target)
+
+    def fragment(self, plan: Plan) -> dict[str, Any]:
+        """The changes of ``plan`` as trainer keys (what ``MemoryBudget`` applies)."""
+        from lightning_memkit.estimate.plans import feature_callbacks
+
+        trainer: dict[str, Any] = {}
+        if plan.precision != self.base.precision:
+            trainer["precision"] = plan.precision
+        if plan.micro_batch != self.base.micro_batch:
+            trainer["accumulate_grad_batches"] = self.accumulate * (self.batch_size // plan.micro_batch)
+        if plan.checkpoint != self.base.checkpoint or plan.fused_loss != self.base.fused_loss:
+            trainer["callbacks"] = feature_callbacks(plan, fused_callback=plan.fused_loss)
+        return {"trainer": trainer}
+
+    def notes(self, plan: Plan) -> list[str]:
+        return [f"batch size {plan.micro_batch}"] if plan.micro_batch != self.base.micro_batch else []
+
+
+def _has_causal_lm(module: nn.Module) -> bool:
+    from lightning_memkit.hf.fused_loss import find_causal_lms
+
+    try:
+        return bool(find_causal_lms(module))
+    except (ValueError, ImportError):
+        return False

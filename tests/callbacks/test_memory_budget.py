@@ -1,0 +1,206 @@
+"""MemoryBudget: a plan that fits the budget over the whole fit, the same losses, a clear error when nothing fits,
+and a wrong estimate caught on the first step."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_memkit.callbacks import ActivationCheckpointing, MemoryBudget
+from lightning_memkit.demo import ByteTextDataModule, HFCausalLM, TinyLM
+from lightning_memkit.estimate.module import ModuleRun
+from lightning_memkit.memory import LivePeak
+
+STEPS = 2
+
+
+class StepLosses(pl.Callback):
+    """The loss of each optimizer step (the micro-batch losses Lightning reports are divided by the accumulation)."""
+
+    def __init__(self) -> None:
+        self.batches: list[float] = []
+        self.accumulate = 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.accumulate = trainer.accumulate_grad_batches
+        self.batches.append(float(outputs["loss"]))
+
+    @property
+    def steps(self) -> list[float]:
+        k = self.accumulate
+        return [sum(self.batches[i:i + k]) for i in range(0, len(self.batches), k)]
+
+
+def _model(kind: str) -> pl.LightningModule:
+    if kind == "tiny_lm":
+        return TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=64)
+    return HFCausalLM(family=kind, hidden_size=64, num_layers=2, vocab_size=256)
+
+
+def _fit(kind: str, *callbacks: pl.Callback) -> tuple[int, StepLosses, pl.LightningModule]:
+    """The whole fit under one LivePeak opened before the model is built."""
+    pl.seed_everything(0, verbose=False)
+    losses = StepLosses()
+    with LivePeak() as lp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _model(kind)
+        data = ByteTextDataModule(batch_size=8, seq_len=64, max_bytes=100_000, samples_per_epoch=8 * STEPS,
+                                  batch_format="pairs" if kind == "tiny_lm" else "hf")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             limit_val_batches=0, callbacks=[losses, *callbacks])
+        trainer.fit(model, data)
+    return lp.peak_bytes, losses, model
+
+
+@pytest.fixture(scope="module")
+def as_is() -> dict[str, tuple[int, list[float]]]:
+    """Each model's whole-fit peak and step losses without a budget (shared by the tests of this module)."""
+    out = {}
+    for kind in ("tiny_lm", "llama", "qwen3_moe"):
+        peak, losses, _ = _fit(kind)
+        out[kind] = peak, losses.steps
+    return out
+
+
+@pytest.mark.parametrize("kind, fraction", [("tiny_lm", 0.55), ("llama", 0.6), ("qwen3_moe", 0.6)])
+def test_the_fit_stays_within_the_budget_with_the_same_losses(kind: str, fraction: float, as_is) -> None:
+    peak, losses = as_is[kind]
+    budget = MemoryBudget(int(peak * fraction))
+    measured, got, _ = _fit(kind, budget)
+    assert budget.changes, "the run as given does not fit: something must change"
+    assert measured <= budget.budget_bytes, (measured, budget.budget_bytes, budget.changes)
+    assert budget.measured_peak_bytes <= budget.budget_bytes and not budget.replanned
+    assert got.steps == pytest.approx(losses, abs=1e-4)  # recompute, fused loss, equal micro-batches: same math
+
+
+def test_nothing_fits_raises_before_any_step() -> None:
+    seen = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, *args) -> None:
+            seen.append(1)
+
+    with pytest.raises(ValueError, match=r"MemoryBudget\(budget=4096\): no plan fits .* smallest predicted peak is "
+                                         r".* with .*activation checkpointing"):
+        _fit("tiny_lm", Count(), MemoryBudget(4096))
+    assert seen == []
+
+
+def _under(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """Every estimate misses ``nbytes`` (as if the step held a buffer the estimate cannot see): a plan that looks
+    as if it fits does not."""
+    real = ModuleRun.estimate
+
+    def estimate(self, plan):
+        est = real(self, plan)
+        est.peak_bytes -= nbytes
+        return est
+
+    monkeypatch.setattr(ModuleRun, "estimate", estimate)
+
+
+def test_a_wrong_estimate_is_caught_on_the_first_step_and_stops(monkeypatch, as_is) -> None:
+    peak = as_is["tiny_lm"][0]
+    _under(monkeypatch, int(peak * 0.15))
+    budget = MemoryBudget(int(peak * 0.9), allow=["micro_batch"])  # nothing can change between steps
+    with pytest.raises(RuntimeError, match=r"MemoryBudget: a step peaked at .* above the budget .*predicted .*"
+                                           r"re-planning between steps cannot fit.*allowed: none"):
+        _fit("tiny_lm", budget)
+    assert budget.measured_peak_bytes > budget.budget_bytes and budget.replanned
+
+
+def test_a_wrong_estimate_is_caught_on_the_first_step_and_replanned(monkeypatch, as_is) -> None:
+    peak = as_is["tiny_lm"][0]
+    _under(monkeypatch, int(peak * 0.15))
+    budget = MemoryBudget(int(peak * 0.9), allow=["recompute"])
+    measured, _, _ = _fit("tiny_lm", budget)
+    assert budget.replanned and any("activation checkpointing" in c for c in budget.changes)
+    assert "re-planned once" in budget.memory_effect()
+    assert budget.measured_peak_bytes > budget.budget_bytes  # the first step, before the re-plan
+
+
+def test_an_existing_policy_is_kept_and_made_stronger(as_is) -> None:
+    from lightning_memkit.demo.tiny_lm import Block
+
+    ac = ActivationCheckpointing(policy=[Block], selective=True)
+    budget = MemoryBudget(int(as_is["tiny_lm"][0] * 0.55), allow=["recompute"])
+    try:
+        _fit("tiny_lm", ac, budget)
+    except ValueError as err:  # full recompute of the blocks may not reach 55%: the error names it
+        assert "no plan fits" in str(err)
+        return
+    assert ac.policy == [Block]
+    assert all(isinstance(m, type) for m in ac.policy)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"budget": 0}, ValueError, "not a positive size"),
+    ({"budget": "3 parsecs"}, ValueError, "not a positive size"),
+    ({"budget": 1.5}, ValueError, r"a fraction of the device's memory, in \(0, 1\]"),
+    ({"budget": True}, TypeError, "must be bytes, a size"),
+    ({"budget": None}, TypeError, "must be bytes, a size"),
+    ({"budget": "1GiB", "margin": 1.0}, ValueError, r"margin=...\) must be a number in \[0, 1\)"),
+    ({"budget": "1GiB", "allow": ["quantization"]}, ValueError, "'quantization' not an axis; allowed: recompute"),
+    ({"budget": "1GiB", "allow": "recompute"}, TypeError, "must be a list of axis names"),
+    ({"budget": "1GiB", "check_steps": -1}, ValueError, "check_steps"),
+])
+def test_bad_arguments_are_named(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        MemoryBudget(**kwargs)
+
+
+def test_sizes_and_fractions() -> None:
+    assert MemoryBudget("24GiB").budget == 24 * 2**30
+    assert MemoryBudget(4096).budget == 4096 and MemoryBudget(0.5).budget == 0.5
+
+
+def test_the_live_check_counts_what_the_step_starts_with() -> None:
+    w = torch.zeros(1024)
+    with LivePeak() as lp:
+        assert lp.track([w, w[:10], torch.empty(0)]) == 4096
+        assert lp.track([w]) == 0
+        del w
+        assert lp.live_bytes == 0 and lp.peak_bytes == 4096
+
+
+def test_an_estimate_inside_a_live_peak_adds_nothing() -> None:
+    from lightning_memkit.estimate.trace import fake_tensors
+
+    with LivePeak() as lp:
+        with fake_tensors():
+            kept = torch.empty(1 << 20)  # a fake MiB, alive after the estimate
+            with LivePeak() as inner:
+                torch.empty(256)
+        assert inner.peak_bytes == 1024  # inside the fake mode: fake storages are what it counts
+        assert lp.live_bytes == lp.peak_bytes == 0 and kept.untyped_storage().nbytes() == 4 << 20
+
+
+def test_the_fake_copy_allocates_nothing_real() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from lightning_memkit.estimate.module import fake_copy
+    from lightning_memkit.estimate.trace import fake_tensors
+
+    model = _model("llama")
+    with LivePeak() as lp, fake_tensors():
+        copy = fake_copy(model)
+    params = dict(copy.named_parameters())
+    assert lp.peak_bytes == 0 and set(params) == {n for n, _ in model.named_parameters()}
+    assert all(isinstance(p, torch.nn.Parameter) and isinstance(p, FakeTensor) and p.requires_grad == q.requires_grad
+               and p.shape == q.shape and p.dtype == q.dtype for p, q in zip(params.values(), model.parameters()))
+
+
+def test_no_micro_batches_when_an_epoch_ends_in_a_partial_batch(as_is) -> None:
+    """20 samples at batch 8: micro-batches of 2 would step the optimizer on the 4 left over (drop_last drops them
+    at batch 8), so the axis is off and, with nothing else allowed, nothing fits."""
+    budget = MemoryBudget(int(as_is["tiny_lm"][0] * 0.55), allow=["micro_batch"])
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[budget])
+    with pytest.raises(ValueError, match="no plan fits .*allowed: none"):
+        trainer.fit(_model("tiny_lm"), ByteTextDataModule(batch_size=8, seq_len=64, max_bytes=100_000,
+                                                         samples_per_epoch=20))
