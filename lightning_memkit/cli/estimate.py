@@ -18,7 +18,6 @@ from typing import Any
 from lightning_memkit.cli.arguments import parse_subcommand
 from lightning_memkit.common.validation import check_int, check_number
 from lightning_memkit.config.errors import ConfigError
-from lightning_memkit.estimate.config import estimate_from_config
 from lightning_memkit.estimate.hf import (
     DEFAULT_LORA_RANK,
     PLUGINS,
@@ -85,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks of a memkit_pipeline (1F1B): per-rank peaks of the split it would choose")
     p.add_argument("--microbatches", type=_integer, default=None,
                    help="microbatches per step with --pipeline (default 4, the strategy's; divides --batch-size)")
+    p.add_argument("--full-trace", action="store_true",
+                   help="with --hf-config: trace every decoder layer instead of composing the step from traces of "
+                   "the model cut to a few layers (the default for models of more than 16 layers; same bytes, slower)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON instead of the table")
     return p
 
@@ -108,6 +110,8 @@ def _check(args: argparse.Namespace) -> None:
     elif args.config is None and args.lora_rank != DEFAULT_LORA_RANK:
         raise ConfigError("--lora-rank: only with --plugin")
     checkpoint_mode(args.activation_checkpointing)
+    if args.full_trace and (args.config is not None or args.pipeline is not None or args.budget is not None):
+        raise ConfigError("--full-trace: only with --hf-config, without --pipeline and --budget")
     _check_budget(args)
     _check_pipeline(args)
 
@@ -174,9 +178,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
 def _estimate(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     """The estimate the checked ``args`` ask for: of an HF config (pipeline stages or one device) or a config."""
     if args.config is not None:
+        from lightning_memkit.estimate.config import estimate_from_config  # Lightning: only for a --config
+
         return estimate_from_config(args.config, overrides)
     run = (dict(stages=args.pipeline, microbatches=args.microbatches) if args.pipeline else
-           dict(plugin=args.plugin, lora_rank=args.lora_rank, device=args.device))
+           dict(plugin=args.plugin, lora_rank=args.lora_rank, device=args.device,
+                compose=False if args.full_trace else "auto"))
     fn = estimate_hf_pipeline if args.pipeline else estimate_from_hf_config
     return fn(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
               optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,

@@ -13,10 +13,9 @@ import os
 import re
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-__all__ = ["CONSTRUCTION_ERRORS", "LEAF_SPEC_WARNING", "ConfigError", "check_config_syntax", "class_name",
-           "describe_config_error", "describe_yaml_error"]
+__all__ = ["CONSTRUCTION_ERRORS",  # noqa: F822 (module __getattr__: it imports Lightning)
+           "LEAF_SPEC_WARNING", "ConfigError", "check_config_syntax", "class_name", "describe_config_error",
+           "describe_yaml_error"]
 
 
 class ConfigError(ValueError):
@@ -41,8 +40,15 @@ class ConfigError(ValueError):
         self.hint = hint
 
 
-# errors raised while building the objects of a configuration (not while running them)
-CONSTRUCTION_ERRORS = (ValueError, TypeError, ImportError, AttributeError, MisconfigurationException)
+def __getattr__(name: str) -> Any:
+    """``CONSTRUCTION_ERRORS``: the errors raised while building the objects of a configuration (not while running
+    them); Lightning's ``MisconfigurationException`` among them, imported when asked for (``ConfigError`` alone
+    does not import Lightning)."""
+    if name == "CONSTRUCTION_ERRORS":
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        return (ValueError, TypeError, ImportError, AttributeError, MisconfigurationException)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')

@@ -14,12 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lightning_memkit.config.errors import ConfigError, class_name
 from lightning_memkit.config.lightning_cli import instantiate, parse_config
 from lightning_memkit.estimate.hf import hf_patches
-from lightning_memkit.estimate.step import PRECISIONS, MemoryEstimate, estimate_training_memory
+from lightning_memkit.estimate.step import (
+    PRECISIONS,
+    MemoryEstimate,
+    configured_optimizer,
+    estimate_training_memory,
+    step_loss,
+)
 
 __all__ = ["config_features", "estimate_from_config", "estimate_parsed_config"]
 
@@ -86,11 +90,6 @@ class _Batches:
         return next(self.batches)
 
 
-def _step_loss(module: Any, batch: Any) -> torch.Tensor:
-    out = module.training_step(batch, 0)
-    return out["loss"] if isinstance(out, dict) else out
-
-
 def estimate_from_config(config: str | Path, overrides: Sequence[str] = ()) -> MemoryEstimate:
     """Estimate one training step of a memkit/LightningCLI config: its model (``class_path``), the first batch
     of its data module, its ``configure_optimizers``, precision, ``ActivationCheckpointing`` (full or selective),
@@ -113,19 +112,10 @@ def estimate_parsed_config(parsed: dict[str, Any]) -> MemoryEstimate:
     mode = features["checkpoint"]
     patches = hf_patches(mode is not None, features["fused"])
     model_entry = parsed["model"]
-    return estimate_training_memory(lambda: instantiate(model_entry), batches, loss_fn=_step_loss,
-                                    optimizer=_configured_optimizer, precision=features["precision"],
+    return estimate_training_memory(lambda: instantiate(model_entry), batches, loss_fn=step_loss,
+                                    optimizer=configured_optimizer, precision=features["precision"],
                                     checkpoint=features["policy"] if mode else None, checkpoint_mode=mode or "full",
                                     patches=patches, plugin=features["plugin"],
                                     zero_grad="accumulate" if features["accumulate"] else "after_forward",
                                     target="cpu" if trainer.get("accelerator") == "cpu" else "cuda")
-
-
-def _configured_optimizer(model: Any) -> torch.optim.Optimizer:
-    out = model.configure_optimizers()
-    if isinstance(out, dict):
-        out = out["optimizer"]
-    if isinstance(out, (list, tuple)):
-        out = out[0][0] if isinstance(out[0], (list, tuple)) else out[0]
-    return out
 

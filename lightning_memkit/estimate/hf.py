@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,10 @@ from lightning_memkit.estimate.step import (
     PRECISIONS,
     TARGETS,
     MemoryEstimate,
-    estimate_training_memory,
+    StepTrace,
+    WarmupMismatch,
+    resolve_optimizer,
+    trace_training_step,
 )
 
 __all__ = ["DEFAULT_LORA_RANK", "PLUGINS", "PipelineEstimate", "check_choices", "checkpoint_mode",
@@ -59,7 +63,7 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
                             optimizer: str = "adamw", activation_checkpointing: bool | str = False,
                             fused_loss: bool = False, plugin: str | None = None,
                             lora_rank: int = DEFAULT_LORA_RANK, accumulate: bool = False,
-                            device: str = "cuda") -> MemoryEstimate:
+                            device: str = "cuda", compose: bool | str = "auto") -> MemoryEstimate:
     """Estimate one training step of the causal LM described by the HF ``config.json`` at ``path``.
 
     The batch is ``input_ids`` and ``labels`` of ``(batch_size, seq_len)``; the loss is the model's own
@@ -75,16 +79,85 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
     The token batch is fake (no memory). Every input is checked before any work
     (:mod:`lightning_memkit.estimate.inputs`): a bad one raises ``ConfigError`` (a ``ValueError``) naming it;
     sizes left to the config class's defaults and unknown keys warn (``InputWarning``).
+
+    ``compose``: ``"auto"`` (default) composes the step from traces of the model cut to a few layers
+    (:mod:`~lightning_memkit.estimate.compose`) where that traces fewer layers than the model has, ``True`` wherever
+    it can, ``False`` traces the whole model. A composition that fails a check falls back to the whole model; the
+    estimate's assumptions say which was done.
     """
     check_choices(precision=precision, optimizer=optimizer, device=device)
+    if compose not in (True, False, "auto"):
+        from lightning_memkit.config.errors import ConfigError
+
+        raise ConfigError(f"compose: {compose!r} is not one of True, False, 'auto'")
     mode = checkpoint_mode(activation_checkpointing)
-    qlora = qlora_plugin(plugin, precision, lora_rank)
-    model, batch, _ = _hf_factories(Path(path), seq_len, batch_size)
-    return estimate_training_memory(model, batch, optimizer=optimizer, precision="32-true" if qlora else precision,
-                                    checkpoint="auto" if mode else None, checkpoint_mode=mode or "full",
-                                    patches=hf_patches(bool(mode), fused_loss), plugin=qlora,
-                                    zero_grad="accumulate" if accumulate else "after_forward", target=device,
-                                    fake_batch=True)
+    qlora_plugin(plugin, precision, lora_rank)  # checked before any work
+    seq_len, batch_size = check_tokens(seq_len, batch_size)
+    config = read_hf_config(path)
+    check_positions(seq_len, config, path)
+    start = time.perf_counter()
+    make_optimizer, optimizer_name = resolve_optimizer(optimizer, None)
+    batch = _token_batch(config.vocab_size, seq_len, batch_size)
+
+    def trace(cfg: Any, log: bool) -> StepTrace:
+        qlora = qlora_plugin(plugin, precision, lora_rank)  # a plugin per model it converts
+        run = dict(loss_fn=None, precision="32-true" if qlora else precision,
+                   checkpoint=(_hf_layer if mode else None, mode or "full"), patches=hf_patches(bool(mode), fused_loss),
+                   zero_grad="accumulate" if accumulate else "after_forward", plugin=qlora, target=device,
+                   fake_batch=True, log=log)
+        try:  # the first step's state made directly (half the work), checked by the recorded step
+            return trace_training_step(_model_factory(cfg), batch, make_optimizer, warmup="synthetic", **run)
+        except WarmupMismatch:
+            return trace_training_step(_model_factory(cfg), batch, make_optimizer, **run)
+
+    if fused_loss:  # imported once here, not in each process tracing a sample
+        import lightning_memkit.hf.fused_loss  # noqa: F401
+    notes = []
+    step = None
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    if compose is True or (compose == "auto" and layers > COMPOSE_FROM_LAYERS):
+        from lightning_memkit.estimate.compose import NotComposable, compose_step
+
+        try:
+            step, note = compose_step(config, lambda cfg: trace(cfg, log=True),
+                                      max_layers=layers if compose == "auto" else None)
+            notes.append(note)
+        except NotComposable as err:
+            notes.append(f"traced all {layers} layers: the step did not compose from its layers ({err})")
+    if step is None:
+        step = trace(config, log=False)
+    est = step.estimate(optimizer_name, time.perf_counter() - start)
+    est.assumptions += notes
+    return est
+
+
+#: ``compose="auto"`` composes models of more layers than this (depths 3, 4 and 5 trace 12 layers, and each sample
+#: repeats the embedding, head and loss)
+COMPOSE_FROM_LAYERS = 16
+
+
+def _hf_layer(_name: str, module: torch.nn.Module) -> bool:
+    """The modules ``ActivationCheckpointing`` recomputes in a transformers model: its decoder layers."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return isinstance(module, GradientCheckpointingLayer)
+
+
+def _model_factory(config: Any) -> Any:
+    def model() -> torch.nn.Module:
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    return model
+
+
+def _token_batch(vocab: int, seq_len: int, rows: int) -> Any:
+    def batch() -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, vocab, (rows, seq_len))
+        return {"input_ids": ids, "labels": torch.randint(0, vocab, (rows, seq_len))}
+
+    return batch
 
 
 def checkpoint_mode(activation_checkpointing: bool | str | None) -> str | None:
@@ -134,18 +207,7 @@ def _hf_factories(path: Path, seq_len: int, batch_size: int, sequences: int | No
     seq_len, batch_size = check_tokens(seq_len, batch_size)
     config = read_hf_config(path)
     check_positions(seq_len, config, path)
-    vocab, rows = config.vocab_size, sequences or batch_size
-
-    def model() -> torch.nn.Module:
-        import transformers
-
-        return transformers.AutoModelForCausalLM.from_config(config)
-
-    def batch() -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, vocab, (rows, seq_len))
-        return {"input_ids": ids, "labels": torch.randint(0, vocab, (rows, seq_len))}
-
-    return model, batch, config
+    return _model_factory(config), _token_batch(config.vocab_size, seq_len, sequences or batch_size), config
 
 
 @dataclass

@@ -40,10 +40,15 @@ import torch
 from torch import nn
 
 from lightning_memkit.estimate.plans import Plan, batch_splits, stronger_checkpoints, stronger_precisions
-from lightning_memkit.estimate.step import PRECISIONS, MemoryEstimate, estimate_training_memory
+from lightning_memkit.estimate.step import (
+    PRECISIONS,
+    MemoryEstimate,
+    configured_optimizer,
+    estimate_training_memory,
+    step_loss,
+)
 
-__all__ = ["AXES", "ModuleRun", "batch_rows", "batch_tensors", "configured_optimizer", "fake_copy", "micro_batch",
-           "step_loss"]
+__all__ = ["AXES", "ModuleRun", "batch_rows", "batch_tensors", "fake_copy", "micro_batch"]
 
 AXES = ("recompute", "fused_loss", "micro_batch", "precision")
 _OWNER = "ModuleRun"
@@ -77,22 +82,6 @@ def _like(t: torch.Tensor) -> torch.Tensor:
     """A new tensor of ``t``'s shape, dtype and device from a factory: fake under the estimate's fake mode (an op
     on the real ``t``, such as ``empty_like``, would run for real there and allocate a real copy)."""
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
-def step_loss(module: Any, batch: Any) -> torch.Tensor:
-    """``module.training_step(batch, 0)``, or its ``"loss"`` when it returns a dict."""
-    out = module.training_step(batch, 0)
-    return out["loss"] if isinstance(out, dict) else out
-
-
-def configured_optimizer(module: Any) -> torch.optim.Optimizer:
-    """The first optimizer of ``module.configure_optimizers()`` (an optimizer, a list, a dict or a pair of lists)."""
-    out = module.configure_optimizers()
-    if isinstance(out, dict):
-        out = out["optimizer"]
-    if isinstance(out, (list, tuple)):
-        out = out[0][0] if isinstance(out[0], (list, tuple)) else out[0]
-    return out
 
 
 def batch_rows(batch: Any) -> int | None:

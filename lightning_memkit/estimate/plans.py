@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,7 @@ class SearchResult:
     estimated: int
     skipped: int
     capped: int = 0
+    seconds: float = 0.0
 
     def to_json(self) -> str:
         import json
@@ -160,14 +162,16 @@ class SearchResult:
 
         return json.dumps({"budget_bytes": self.budget_bytes, "margin": self.margin, "base": row(self.base),
                            "plans": [row(r) for r in self.fitting], "estimated": self.estimated,
-                           "skipped": self.skipped, "not_estimated_max_estimates": self.capped}, indent=2)
+                           "skipped": self.skipped, "not_estimated_max_estimates": self.capped,
+                           "seconds": round(self.seconds, 1)}, indent=2)
 
     def __str__(self) -> str:
         lines = [f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B), {self.margin:.0%} margin; "
                  f"the run as given peaks at {format_bytes(self.base.peak_bytes)} "
                  f"({'fits' if self.base.fits else 'does not fit'})",
                  f"{self.estimated} plans estimated, {self.skipped} ruled out without an estimate"
-                 + (f", {self.capped} left out by the estimate limit (raise --max-estimates)" if self.capped else "")]
+                 + (f", {self.capped} left out by the estimate limit (raise --max-estimates)" if self.capped else "")
+                 + f"; searched in {self.seconds:.1f} s"]
         if not self.fitting:
             lines.append("no plan fits: a larger budget, a shorter sequence or more pipeline stages is needed")
         for i, r in enumerate(self.fitting, 1):
@@ -312,8 +316,11 @@ class ConfigRun:
         from lightning_memkit.config.errors import class_name
 
         own = ("ActivationCheckpointing", "FusedLinearCrossEntropy")
-        kept = [c for c in trainer.get("callbacks") or [] if class_name(c) not in own]
-        trainer["callbacks"] = kept + feature_callbacks(plan, fused_callback=True)
+        callbacks = trainer.get("callbacks") or []
+        kept = [c for c in callbacks if class_name(c) not in own]
+        given = {class_name(c): c for c in callbacks if class_name(c) in own}
+        trainer["callbacks"] = kept + [_keep_settings(entry, given.get(class_name(entry)))
+                                       for entry in feature_callbacks(plan, fused_callback=True)]
         if plan.plugin is not None:
             entry = copy.deepcopy(self.plugin_entry)
             entry.setdefault("init_args", {})["mode"] = plan.plugin.removesuffix("-lora")
@@ -358,6 +365,18 @@ def _has_hf_model(model_entry: dict[str, Any]) -> bool:
         return bool(find_causal_lms(model))
     except (ValueError, ImportError):
         return False
+
+
+def _keep_settings(entry: dict[str, Any], given: Any) -> Any:
+    """A plan's callback ``entry`` with the settings of the config's own entry of that callback (``given``) kept:
+    its other init args (``policy``, ``budget_bytes``...) stay as the config sets them, the plan's replace theirs."""
+    if not isinstance(given, dict):
+        return entry
+    out = copy.deepcopy(given)
+    args = {**(out.get("init_args") or {}), **entry.get("init_args", {})}
+    if args:
+        out["init_args"] = args
+    return out
 
 
 def feature_callbacks(plan: Plan, fused_callback: bool) -> list[dict[str, Any]]:
@@ -421,16 +440,23 @@ class _Search:
     skipped: int = 0
     capped: int = 0  # plans left out by max_estimates
     base_cost: float = 0.0
+    queue: list[Plan] = field(default_factory=list)  # the plans still to try, in order (for the progress line)
+    start: float = field(default_factory=time.perf_counter)
+
+    def ruled_out(self, plan: Plan) -> bool:
+        return any(plan.at_most(f) for f in self.failed) or any(_costlier(plan, r.plan) for r in self.fitting)
 
     def try_plan(self, plan: Plan, single_cost: float | None = None) -> tuple[PlanResult, float] | None:
         """Estimate ``plan`` unless a known result rules it out; file it as fitting or failed."""
-        if any(plan.at_most(f) for f in self.failed) or any(_costlier(plan, r.plan) for r in self.fitting):
+        if plan in self.queue:
+            self.queue.remove(plan)
+        if self.ruled_out(plan):
             self.skipped += 1
             return None
         if self.estimated >= self.max_estimates:
             self.capped += 1
             return None
-        self.say(f"estimate {self.estimated + 1}: {plan.describe(self.run.base)}")
+        self.say(self._progress(plan))
         est = self.run.estimate(plan)
         self.estimated += 1
         if plan.stages > 1:  # the single-device step of the same features, split over the stages
@@ -444,6 +470,23 @@ class _Search:
         else:
             self.failed.append(plan)
         return result, cost
+
+    def _progress(self, plan: Plan) -> str:
+        """``estimate 3/12: <plan> (40 s so far, about 2 min left)``: the estimates done and planned (this one, and
+        those still queued that no result rules out yet: the count can only fall), and the time left at the mean
+        time of the estimates so far."""
+        planned = self.estimated + 1 + sum(not self.ruled_out(p) for p in self.queue)
+        planned = min(planned, self.max_estimates)
+        line = f"estimate {self.estimated + 1}/{planned}: {plan.describe(self.run.base)}"
+        if self.estimated:
+            elapsed = time.perf_counter() - self.start
+            left = elapsed / self.estimated * (planned - self.estimated)
+            line += f" ({_duration(elapsed)} so far, about {_duration(left)} left)"
+        return line
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05, max_plans: int = 3,
@@ -460,7 +503,8 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
         margin: a plan fits when ``peak * (1 + margin) <= budget_bytes``.
         max_plans: how many fitting plans to return.
         max_estimates: stop after this many estimates.
-        progress: called with a line before each estimate.
+        progress: called with a line before each estimate: the estimates done and planned, the time so far and the
+            time left (``estimate 3/12: <plan> (40 s so far, about 2 min left)``).
     """
     from lightning_memkit.common.validation import check_int
 
@@ -471,9 +515,10 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
         raise ValueError(f"search_plans(margin=...) must be in [0, 1), got {margin!r}")
     search = _Search(run, lambda peak: peak * (1 + margin) <= budget_bytes, progress or (lambda _line: None),
                      max_estimates)
-    base, base_cost = search.try_plan(run.base)
     ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: _search_order(p, run.base))
     top = _strongest([run.base, *ordered])
+    search.queue = [top, *(p for p in ordered if p != top)]
+    base, base_cost = search.try_plan(run.base)
     strongest = (base, base_cost) if top == run.base else search.try_plan(top)
     if strongest is None or strongest[0].fits:  # None: ruled out by a fitting base (only adds work) or the limit
         for plan in ordered:
@@ -481,9 +526,10 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
                 search.try_plan(plan)
     else:
         search.skipped += len(ordered) - (top != run.base)  # each is weaker than the strongest, which does not fit
-        for plan in run.pipelines():
+        search.queue = list(run.pipelines())
+        for plan in list(search.queue):
             if (found := search.try_plan(plan, strongest[1])) is not None and found[0].fits:
                 break
     fitting = sorted(search.fitting, key=lambda r: (r.plan.stages, r.overhead, -sum(r.plan.strength())))
     return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped,
-                        search.capped)
+                        search.capped, time.perf_counter() - search.start)

@@ -53,15 +53,16 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_memkit.common.validation import check_bool, check_choice
+from lightning_memkit.estimate.fast_ops import FastOps
 from lightning_memkit.estimate.trace import (
     CategoryTracker,
+    EventLog,
     FakeKernelGaps,
-    FlopCount,
     ModuleClock,
     PhasePeak,
     fake_tensors,
 )
-from lightning_memkit.measure.storage import format_bytes, iter_tensors
+from lightning_memkit.measure.storage import format_bytes, has_storage, iter_tensors, storage_key
 from lightning_memkit.recompute.activation_recompute import (
     PolicyLike,
     checkpoint_modules,
@@ -70,7 +71,8 @@ from lightning_memkit.recompute.activation_recompute import (
     select_modules,
 )
 
-__all__ = ["MemoryEstimate", "PhaseEstimate", "estimate_training_memory", "OPTIMIZERS", "PRECISIONS"]
+__all__ = ["MemoryEstimate", "PhaseEstimate", "estimate_training_memory", "OPTIMIZERS", "PRECISIONS",
+           "configured_optimizer", "step_loss"]
 
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("32-true", "32", "bf16-true", "16-true", "bf16-mixed")
@@ -211,6 +213,22 @@ def _check_plugin(plugin: Any, precision: str) -> None:
 
 
 # -- the step ------------------------------------------------------------------------------------------------
+def step_loss(module: Any, batch: Any) -> torch.Tensor:
+    """``module.training_step(batch, 0)``, or its ``"loss"`` when it returns a dict."""
+    out = module.training_step(batch, 0)
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def configured_optimizer(module: Any) -> torch.optim.Optimizer:
+    """The first optimizer of ``module.configure_optimizers()`` (an optimizer, a list, a dict or a pair of lists)."""
+    out = module.configure_optimizers()
+    if isinstance(out, dict):
+        out = out["optimizer"]
+    if isinstance(out, (list, tuple)):
+        out = out[0][0] if isinstance(out[0], (list, tuple)) else out[0]
+    return out
+
+
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or list, else ``model(batch)``; then its
     loss: the tensor itself, its ``.loss`` (Hugging Face outputs) or its ``["loss"]``."""
@@ -259,6 +277,8 @@ class _Run:
     gaps: FakeKernelGaps
     plugin: Any = None
     fake_batch: bool = False
+    before_step: Callable[[], None] | None = None  # called before the recorded optimizer step (EventLog claims)
+    grads: dict[str, tuple[int, torch.dtype]] = field(default_factory=dict)  # after the last backward
 
 
 def _classify_static(run: _Run) -> None:
@@ -301,6 +321,10 @@ def _step(run: _Run, record: bool) -> None:
     tr.start_phase("backward" if record else None, "transient")
     loss.backward()
     del loss
+    run.grads = {n: (p.grad.untyped_storage().nbytes(), p.grad.dtype) for n, p in run.model.named_parameters()
+                 if p.grad is not None}
+    if record and run.before_step is not None:
+        run.before_step()
     tr.start_phase("optimizer step" if record else None, "transient")
     run.optimizer.step()
     tr.start_phase(None, "transient")
@@ -334,8 +358,9 @@ def _expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _install(run: _Run, clock: ModuleClock, checkpoint: tuple[PolicyLike | None, str],
-             patches: Sequence[Callable[[nn.Module], Any]], stack: contextlib.ExitStack) -> list[str]:
-    """Hooks, recomputation and patches, all undone by ``stack``; returns the feature names."""
+             stack: contextlib.ExitStack) -> tuple[list[str], list[str]]:
+    """Hooks and recomputation, undone by ``stack``; returns the feature names to go before and after the
+    patches' (:func:`_patch`)."""
     model, features = run.model, []
     clock.install()
     stack.callback(clock.remove)
@@ -360,19 +385,27 @@ def _install(run: _Run, clock: ModuleClock, checkpoint: tuple[PolicyLike | None,
                         f"({len(chosen)} modules)")
     if run.plugin is not None:
         features.append(repr(run.plugin))
+    return features, [f"{len(experts)} MoE expert modules"] if experts else []
+
+
+def _patch(model: nn.Module, patches: Sequence[Callable[[nn.Module], Any]], stack: contextlib.ExitStack) -> list[str]:
+    """Enter ``patches`` on ``model`` (undone by ``stack``); returns their names."""
     for patch in patches:
         stack.enter_context(patch(model))
-        features.append(getattr(patch, "__name__", type(patch).__name__))
-    return features + ([f"{len(experts)} MoE expert modules"] if experts else [])
+    return [getattr(patch, "__name__", type(patch).__name__) for patch in patches]
 
 
-def build_model(model_factory: Callable[[], nn.Module], precision: str, plugin: Any = None) -> nn.Module:
+def build_model(model_factory: Callable[[], nn.Module], precision: str, plugin: Any = None,
+                built: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """``model_factory()`` in training mode, as Lightning prepares it: built under ``precision``'s dtype and cast
-    to it (``"bf16-true"``, ``"16-true"``), then converted by the precision ``plugin`` (``convert_module``)."""
+    to it (``"bf16-true"``, ``"16-true"``), then converted by the precision ``plugin`` (``convert_module``).
+    ``built`` is called with the model as the factory returns it."""
     with default_dtype(precision_dtype(precision)):
         model = model_factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_OWNER}(model_factory=...) must return a torch.nn.Module, got {type(model).__name__}")
+    if built is not None:
+        built(model)
     if precision in ("bf16-true", "16-true"):
         model = model.to(precision_dtype(precision))
     if plugin is not None:
@@ -380,19 +413,18 @@ def build_model(model_factory: Callable[[], nn.Module], precision: str, plugin: 
     return model.train()
 
 
-def _add_foreach_step(phase: PhaseEstimate, optim: torch.optim.Optimizer) -> None:
-    """On CUDA ``optimizer.step()`` runs its ``foreach`` implementation: its temporaries replace the CPU path's."""
+def _foreach_step_bytes(optim: torch.optim.Optimizer) -> int:
+    """On CUDA ``optimizer.step()`` runs its ``foreach`` implementation: the bytes its temporaries take beyond the
+    CPU path's, which they replace."""
     from lightning_memkit.pipeline.cost import optimizer_step_bytes
 
     params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
     if not params or type(optim).__name__.lower() not in ("adam", "adamw", "sgd"):
-        return
+        return 0
     group = optim.param_groups[0]
     hp = {k: group[k] for k in ("weight_decay", "maximize", "nesterov") if k in group}
-    delta = (optimizer_step_bytes(params, type(optim), foreach=True, **hp)
-             - optimizer_step_bytes(params, type(optim), foreach=False, **hp))
-    phase.peak_bytes += delta
-    phase.transient += delta
+    return (optimizer_step_bytes(params, type(optim), foreach=True, **hp)
+            - optimizer_step_bytes(params, type(optim), foreach=False, **hp))
 
 
 def _assumptions(experts: bool, target: str = "cpu") -> list[str]:
@@ -469,31 +501,165 @@ def estimate_training_memory(
     _check_plugin(plugin, precision)
     make_optimizer, opt_name = resolve_optimizer(optimizer, optimizer_kwargs)
     start = time.perf_counter()
-    with fake_tensors() as gaps, CategoryTracker() as tracker, contextlib.ExitStack() as stack:
+    trace = trace_training_step(model_factory, batch_factory, make_optimizer, loss_fn=loss_fn, precision=precision,
+                                checkpoint=(checkpoint, checkpoint_mode), patches=patches, zero_grad=zero_grad,
+                                plugin=plugin, target=target, fake_batch=fake_batch)
+    return trace.estimate(opt_name, time.perf_counter() - start)
+
+
+@dataclass
+class StepTrace:
+    """What one run of :func:`trace_training_step` saw: the phases, the counts, the features; and, when asked for,
+    the :class:`~lightning_memkit.estimate.trace.EventLog` of every allocation, the decoder layers' names and the
+    bytes ``optimizer.step()``'s ``foreach`` implementation adds on CUDA (``target="cuda"``)."""
+
+    phases: list[PhaseEstimate]
+    parameters: int
+    trainable_parameters: int
+    precision: str
+    features: list[str]
+    flops: int
+    allocated: int
+    target: str
+    foreach_bytes: int = 0
+    log: EventLog | None = None
+    layers: list[str] = field(default_factory=list)
+
+    def estimate(self, optimizer: str, seconds: float) -> MemoryEstimate:
+        return MemoryEstimate(phases=self.phases, peak_bytes=max(p.peak_bytes for p in self.phases[1:]),
+                              parameters=self.parameters, trainable_parameters=self.trainable_parameters,
+                              optimizer=optimizer, precision=self.precision, features=self.features,
+                              assumptions=_assumptions(any("MoE" in f for f in self.features), self.target),
+                              seconds=seconds, step_flops=self.flops, step_bytes=self.allocated)
+
+
+class WarmupMismatch(RuntimeError):
+    """A synthetic warm-up (``warmup="synthetic"``) did not leave the state a first step leaves."""
+
+
+WARMUPS = ("step", "synthetic")
+
+
+def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],
+                        make_optimizer: Callable[[nn.Module], Any], *, loss_fn: Any = None,
+                        precision: str = "32-true", checkpoint: tuple[PolicyLike | None, str] = (None, "full"),
+                        patches: Sequence[Callable[[nn.Module], Any]] = (), zero_grad: str = "after_forward",
+                        plugin: Any = None, target: str = "cpu", fake_batch: bool = False, log: bool = False,
+                        warmup: str = "step") -> StepTrace:
+    """The two steps of :func:`estimate_training_memory` (its arguments already checked; ``checkpoint`` is
+    ``(policy, mode)``). ``log``: keep an :class:`~lightning_memkit.estimate.trace.EventLog` of every allocation of
+    the recorded phases, filed by decoder layer, for :mod:`~lightning_memkit.estimate.compose`.
+
+    ``warmup``: ``"step"`` runs the first step for real; ``"synthetic"`` (half the work) leaves what it would
+    leave directly: a gradient for every trainable parameter (the same bytes autograd makes) and the optimizer's
+    state, allocated by one ``optimizer.step()`` on them. The recorded step then checks that it is a steady
+    state: its backward leaves gradients for exactly those parameters, of those sizes, and no storage other than
+    gradients survives it that was not alive before it (state a first forward creates and keeps); else
+    :class:`WarmupMismatch` is raised (trace again with ``warmup="step"``)."""
+    check_choice(warmup, "warmup", WARMUPS, owner="trace_training_step")
+    with (fake_tensors() as gaps, CategoryTracker() as tracker, FastOps() as fast, contextlib.ExitStack() as stack):
+        events = tracker.log = EventLog({}) if log else None
         tracker.start_phase("load", "weights")
-        model = build_model(model_factory, precision, plugin)
+        model = _build_logged(model_factory, precision, plugin, tracker)
         tracker.start_phase(None, "transient")
-        clock = ModuleClock({id(m): name or type(m).__name__ for name, m in model.named_modules()})
+        names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+        clock = ModuleClock(names)
         tracker.clock = clock
         optim = make_optimizer(model)
         if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(f"{_OWNER}(optimizer=...) must make a torch.optim.Optimizer, got {type(optim).__name__}")
         run = _Run(model, optim, tracker, batch_factory, loss_fn or default_loss,
                    precision, zero_grad, gaps, plugin, fake_batch)
-        features = _install(run, clock, (checkpoint, checkpoint_mode), patches, stack)
-        _step(run, record=False)
+        blocks = layer_blocks(model) if log else []
+        if events is not None:
+            events.layer_of.update({f"{name}.{sub}" if sub else name: j for j, (name, block) in enumerate(blocks)
+                                    for sub, _ in block.named_modules()})
+            run.before_step = lambda b=blocks, o=optim: _claim_layers(events, b, o)
+        head, tail = _install(run, clock, checkpoint, stack)
+        features = [*head, *_patch(model, patches, stack), *tail]
+        if warmup == "synthetic":
+            warmed = _synthetic_warmup(run)
+        else:
+            _step(run, record=False)
+        _classify_static(run)
+        before = {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"}
         tracker.allocated = 0
-        with FlopCount() as flops:
-            _step(run, record=True)
+        fast.counting = True
+        _step(run, record=True)
+        fast.counting = False
+        if warmup == "synthetic":
+            kept = {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"} - before
+            if warmed != run.grads or kept:
+                grads = "differ" if warmed != run.grads else "match"
+                raise WarmupMismatch(f"{_OWNER}: the recorded step after a synthetic warm-up is not a steady state "
+                                     f"({len(kept)} new storages kept, gradients {grads})")
         phases = [PhaseEstimate.from_peak(name, tracker.phase_peaks[name]) for name in ("load", *STEP_PHASES)]
-        if target == "cuda":
-            _add_foreach_step(phases[-1], optim)
+        foreach = _foreach_step_bytes(optim) if target == "cuda" else 0
+        phases[-1].peak_bytes += foreach
+        phases[-1].transient += foreach
         counts = (sum(p.numel() for p in model.parameters()),
                   sum(p.numel() for g in optim.param_groups for p in g["params"]))
-        del run, model, optim
-    return MemoryEstimate(phases=phases, peak_bytes=max(p.peak_bytes for p in phases[1:]), parameters=counts[0],
-                          trainable_parameters=counts[1], optimizer=opt_name,
-                          precision=precision if plugin is None else type(plugin).__name__,
-                          features=features, assumptions=_assumptions(any("MoE" in f for f in features), target),
-                          seconds=time.perf_counter() - start, step_flops=flops.total,
-                          step_bytes=tracker.allocated)
+        layers = [name for name, _ in blocks]
+        del run, model, optim, blocks
+    return StepTrace(phases, counts[0], counts[1], precision if plugin is None else type(plugin).__name__, features,
+                     fast.flops, tracker.allocated, target, foreach, events, layers)
+
+
+def _synthetic_warmup(run: _Run) -> dict[str, tuple[int, torch.dtype]]:
+    """What a first step leaves, without running it: a gradient of zeros for each trainable parameter, and the
+    optimizer's state from one step on them. Returns the gradients' bytes and dtypes by parameter name."""
+    with torch.no_grad():
+        for p in run.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+    run.optimizer.step()
+    return {n: (p.grad.untyped_storage().nbytes(), p.grad.dtype) for n, p in run.model.named_parameters()
+            if p.grad is not None}
+
+
+def _build_logged(model_factory: Callable[[], nn.Module], precision: str, plugin: Any,
+                  tracker: CategoryTracker) -> nn.Module:
+    """:func:`build_model`, filing in the tracker's :class:`~lightning_memkit.estimate.trace.EventLog` (if any) the
+    allocations of the construction by the decoder layer whose parameters and buffers they made; the conversions
+    that follow (dtype, plugin) by the layer owning their inputs."""
+    if tracker.log is None:
+        return build_model(model_factory, precision, plugin)
+    serials: dict[int, int] = {}
+    model = build_model(model_factory, precision, plugin, built=lambda m: _file_layers(tracker, m, serials))
+    _file_layers(tracker, model, serials)
+    rows = tracker.log.rows.get("load", [])
+    layer = -1
+    for i, row in enumerate(rows):  # an allocation that made no layer's tensor goes with the one before
+        layer = serials.get(row[-2], row[0] if row[0] >= 0 else layer)
+        rows[i] = (layer, *row[1:])
+    return model
+
+
+def _file_layers(tracker: CategoryTracker, model: nn.Module, serials: dict[int, int]) -> None:
+    """Note which allocation made each parameter and buffer (``serials``: allocation number -> its decoder layer,
+    ``-1`` for the others), and claim the layers' as theirs in the tracker's log."""
+    layer_of = {id(t): j for j, (_, block) in enumerate(layer_blocks(model))
+                for t in (*block.parameters(), *block.buffers())}
+    for t in (*model.parameters(), *model.buffers()):
+        j = layer_of.get(id(t), -1)
+        if j >= 0:
+            tracker.log.claim([t], j)
+        entry = tracker._entries.get(storage_key(t)) if has_storage(t) else None
+        if entry is not None:
+            serials[entry.tag[1]] = j
+
+
+def layer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The decoder layers of a transformers model (what ``ActivationCheckpointing`` wraps), else the model's
+    repeated blocks (``repeated_blocks``)."""
+    from lightning_memkit.hf.layers import decoder_layers
+
+    return decoder_layers(model) or repeated_blocks(model)
+
+
+def _claim_layers(events: EventLog, blocks: list[tuple[str, nn.Module]], optim: torch.optim.Optimizer) -> None:
+    """Before the recorded optimizer step: each layer's parameters, gradients and optimizer state are its own."""
+    for j, (_, block) in enumerate(blocks):
+        params = list(block.parameters())
+        events.claim([*params, *(p.grad for p in params if p.grad is not None)], j)
+        events.claim(iter_tensors([optim.state[p] for p in params if p in optim.state]), j)

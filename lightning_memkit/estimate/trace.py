@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_memkit.measure.live_peak import LivePeak, StorageEntry
 from lightning_memkit.measure.storage import has_storage, iter_op_tensors, storage_key, storage_of
 
-__all__ = ["CATEGORIES", "CategoryTracker", "ExpertRouting", "FakeKernelGaps", "FlopCount", "PhasePeak",
+__all__ = ["CATEGORIES", "CategoryTracker", "EventLog", "ExpertRouting", "FakeKernelGaps", "FlopCount", "PhasePeak",
            "balanced_routing", "fake_module_conversion", "fake_tensors"]
 
 CATEGORIES = ("weights", "gradients", "optimizer state", "saved activations", "loss/logits", "transient")
@@ -57,15 +57,15 @@ class PhasePeak:
 
 
 class ModuleClock:
-    """Which module runs now: a forward stack from global module hooks, and autograd sequence-number ranges
-    per module call, so that a backward node names the module whose forward created it."""
+    """Which module runs now: a forward stack from global module hooks, and the autograd sequence numbers each module
+    call spans, so that a backward node names the innermost module call whose forward created it."""
 
     def __init__(self, names: dict[int, str]):
         self.names = names
         self.stack: list[str] = []
-        self._open: list[int] = []
-        self.starts: list[int] = []
-        self.ranges: list[tuple[int, int, str]] = []
+        self._open: list[int] = []  # indices in calls of the calls running now
+        self.starts: list[int] = []  # first sequence number of each call, in call order (sorted)
+        self.calls: list[list[Any]] = []  # [start, end (None while running), name, enclosing call or -1]
         self._handles: list[Any] = []
 
     def install(self) -> None:
@@ -79,15 +79,18 @@ class ModuleClock:
         self._handles = []
 
     def _pre(self, module: nn.Module, _args: Any) -> None:
-        self.stack.append(self.names.get(id(module), type(module).__name__))
-        self._open.append(torch._C._autograd._get_sequence_nr())
+        name = self.names.get(id(module), type(module).__name__)
+        start = torch._C._autograd._get_sequence_nr()
+        self.stack.append(name)
+        self.calls.append([start, None, name, self._open[-1] if self._open else -1])
+        self.starts.append(start)
+        self._open.append(len(self.calls) - 1)
 
     def _post(self, _module: nn.Module, _args: Any, _out: Any) -> None:
         if not self.stack:
             return
-        name, start = self.stack.pop(), self._open.pop()
-        self.ranges.append((start, torch._C._autograd._get_sequence_nr(), name))
-        self.starts = []  # ranges close in completion order: sorted again when next needed
+        self.stack.pop()
+        self.calls[self._open.pop()][1] = torch._C._autograd._get_sequence_nr()
 
     def current(self) -> str:
         """The innermost running module (forward or recompute), else the module of the running backward node."""
@@ -97,13 +100,12 @@ class ModuleClock:
         if node is None:
             return ""
         seq = node._sequence_nr()
-        if len(self.starts) != len(self.ranges):
-            self.ranges.sort(key=lambda r: (r[0], -r[1]))  # inner calls after the outer ones
-            self.starts = [r[0] for r in self.ranges]
         i = bisect.bisect_right(self.starts, seq) - 1
-        for start, end, name in reversed(self.ranges[max(0, i - 64): i + 1]):  # nested calls start close by
-            if start <= seq < end:
+        while i >= 0:  # the last call started by then, or the call around it that still ran
+            start, end, name, outer = self.calls[i]
+            if end is not None and start <= seq < end:
                 return f"{name} ({node.name()})"
+            i = outer
         return node.name()
 
 
@@ -124,6 +126,8 @@ class CategoryTracker(LivePeak):
         self.clock = clock
         self.serial = 0
         self.allocated = 0  # bytes of the storages created while a phase records
+        self.log: EventLog | None = None  # every allocation of a recording phase, for the composition
+        self._inputs: set[int] = set()
 
     def start_phase(self, name: str | None, category: str) -> None:
         """Open phase ``name`` (``None``: stop recording) with new storages filed under ``category``."""
@@ -132,6 +136,8 @@ class CategoryTracker(LivePeak):
         if name is not None:
             self.phase_peaks[name] = PhasePeak()
             self._snapshot()
+            if self.log is not None:
+                self.log.start(self)
 
     def move(self, tensors: Iterable[Any], category: str, *, unless: tuple[str, ...] = ()) -> None:
         """File the tracked storages of ``tensors`` under ``category`` (those now in ``unless`` stay)."""
@@ -155,6 +161,10 @@ class CategoryTracker(LivePeak):
         entry.tag[0] = category
 
     # -- LivePeak's bookkeeping, with the category totals kept alongside -----------------------------
+    def _observe(self, out: Any, inputs: set[int]) -> None:
+        self._inputs = inputs  # the op's input storages: where an allocation comes from (EventLog)
+        super()._observe(out, inputs)
+
     def _add(self, t: torch.Tensor, key: int) -> None:
         storage = storage_of(t)
         nbytes = storage.nbytes()
@@ -167,6 +177,8 @@ class CategoryTracker(LivePeak):
             self._entries[key] = StorageEntry(nbytes, str(t.device), tag, ref)
             self.totals[tag[0]] += nbytes
             self._change(str(t.device), nbytes)
+            if self.log is not None and self.phase is not None:
+                self.log.note(self, key, nbytes, tag[1])
 
     def _remove(self, key: int) -> None:
         with self._lock:
@@ -174,6 +186,8 @@ class CategoryTracker(LivePeak):
             if entry is not None:
                 self.totals[entry.tag[0]] -= entry.nbytes
                 self._change(entry.device, -entry.nbytes)
+                if self.log is not None:
+                    self.log.owner.pop(key, None)
 
     def _resync(self, t: torch.Tensor) -> None:
         entry = self._entries.get(storage_key(t)) if has_storage(t) else None
@@ -193,6 +207,65 @@ class CategoryTracker(LivePeak):
     def _snapshot(self) -> None:
         layer = self.clock.current() if self.clock is not None else ""
         self.phase_peaks[self.phase] = PhasePeak(self.live_bytes, dict(self.totals), layer)
+
+
+class EventLog:
+    """Every allocation of a :class:`CategoryTracker`'s recording phases, for composing a step from its layers.
+
+    Per phase, one row per allocation: the decoder layer it belongs to, its bytes, the live bytes after it and
+    their split by category (:data:`CATEGORIES`), the tracker's allocation number and the running module's name.
+    An allocation belongs to the layer whose module runs (the forward stack or, in backward, the module whose
+    forward created the autograd node); else, in backward, to the layer the forward op that made the node
+    belonged to; else to the latest layer whose storages the op reads: storages of a layer's parameters,
+    gradients and optimizer state are claimed with :meth:`claim`, and each allocation passes its layer on to the
+    storages it creates. The layer is coded ``j`` inside layer ``j``'s modules or where no
+    module runs (the optimizer step, a conversion), ``-2 - j`` for work on layer ``j``'s tensors in another
+    module (the head reading the last layer's output, a router loss looping over the layers' logits), ``-1`` for
+    none. ``layer_of`` maps a module name (as :class:`ModuleClock` gives it) to its layer.
+    """
+
+    def __init__(self, layer_of: dict[str, int]):
+        self.layer_of = layer_of
+        self.owner: dict[int, int] = {}  # storage key -> layer
+        self.node_owner: dict[int, int] = {}  # autograd sequence number -> layer of the forward op (or -1)
+        self.rows: dict[str, list[tuple]] = {}
+        self.names: list[str] = []
+        self._name_index: dict[str, int] = {}
+
+    def claim(self, tensors: Iterable[Any], layer: int) -> None:
+        """File the storages of ``tensors`` as ``layer``'s (inputs that make an allocation belong to it)."""
+        for t in tensors:
+            if has_storage(t):
+                self.owner[storage_key(t)] = layer
+
+    def note(self, tracker: CategoryTracker, key: int, nbytes: int, serial: int) -> None:
+        clock = tracker.clock
+        name = clock.current() if clock is not None else ""
+        owner = self.layer_of.get(name.split(" (", 1)[0], -1) if name else -1
+        layer = owner
+        if owner < 0:
+            node = torch._C._current_autograd_node() if name and not clock.stack else None
+            if node is not None and node._sequence_nr() in self.node_owner:  # where its forward op was
+                owner = self.node_owner[node._sequence_nr()]
+            else:  # the latest layer whose tensors the op reads
+                owner = max((self.owner[k] for k in tracker._inputs if k in self.owner), default=-1)
+            layer = -1 if owner < 0 else owner if not name else -2 - owner  # outside a layer's modules: -2 - j
+        if owner >= 0:
+            self.owner[key] = owner
+        if clock is not None and clock.stack:  # a forward op: autograd numbered its node (if any) just before
+            self.node_owner.setdefault(torch._C._autograd._get_sequence_nr() - 1, owner)
+        index = self._name_index.get(name)
+        if index is None:
+            index = self._name_index[name] = len(self.names)
+            self.names.append(name)
+        totals = tracker.totals
+        self.rows.setdefault(tracker.phase, []).append(
+            (layer, nbytes, tracker.live_bytes, *(totals[c] for c in CATEGORIES), serial, index))
+
+    def start(self, tracker: CategoryTracker) -> None:
+        """A row for the opening of the tracker's current phase (its high-water mark starts there)."""
+        totals = tracker.totals
+        self.rows[tracker.phase] = [(-1, 0, tracker.live_bytes, *(totals[c] for c in CATEGORIES), -1, -1)]
 
 
 class ExpertRouting:
@@ -278,9 +351,15 @@ class FakeKernelGaps(TorchDispatchMode):
         super().__init__()
         self.routing = routing or ExpertRouting()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no per-call dynamo-disabling trampoline (see FastOps): nothing compiles inside a fake step
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        if func is _DEVICE and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
+            return args[0].fake_device  # as FakeTensorMode answers it (the tracker asks for every storage)
         kwargs = kwargs or {}
         real = self._real(func, args, kwargs)
         if real == "sized":
@@ -323,6 +402,7 @@ class FakeKernelGaps(TorchDispatchMode):
 
 
 _INTEGER_DTYPES = (torch.int64, torch.int32)
+_DEVICE = torch.ops.prim.device.default
 #: an op of real tensors whose outputs take more than this, and 64 times its inputs (a ``T x T`` attention mask
 #: from positions, token indices in an expert module), gives fake outputs (shape only: no host memory in
 #: proportion to the batch; a data-dependent op on them raises)

@@ -348,3 +348,38 @@ def test_cuda_triton_matches_oracle(dtype, reduction):
     assert_within(ours.detach(), ref, oracle.detach(), TOL[dtype], "loss")
     for name, o, r, q in zip(("dx", "dW", "db"), our_leaves, ref_leaves, oracle_leaves):
         assert_within(o.grad, r.grad, q.grad, TOL[dtype], name)
+
+
+def _bf16_step(fake: bool, reduction: str, accum_dtype, counter) -> int:
+    """The LivePeak bytes of a bf16 CPU forward and backward with many chunks and weight slabs (``chunk_bytes``
+    small), on fake or real tensors; the ops' FLOPs go to ``counter``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    n, h, v = 96, 32, 1000
+    with FakeTensorMode() if fake else torch.device("cpu"), LivePeak() as lp, counter:
+        x = torch.zeros(n, h, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.zeros(v, h, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.zeros(n, dtype=torch.long)
+        loss = linear_cross_entropy(x, w, target, reduction=reduction, chunk_bytes=40_000, accum_dtype=accum_dtype)
+        loss.sum().backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    return lp.peak_bytes
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32], ids=["bf16_dw", "fp32_dw"])
+def test_on_fake_tensors_the_slab_loops_are_one_product_with_the_same_bytes_and_flops(reduction, accum_dtype):
+    """An estimate traces the CPU bf16 path on fake tensors: one product per slab loop, the same storages
+    (LivePeak's peak) and the same FLOPs as the loops on real tensors, which take dozens of slabs here."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_memkit.ops.linear_cross_entropy import chunk_plan
+
+    real_flops, fake_flops = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    real = _bf16_step(False, reduction, accum_dtype, real_flops)
+    fake = _bf16_step(True, reduction, accum_dtype, fake_flops)
+    assert fake == real
+    assert fake_flops.get_total_flops() == real_flops.get_total_flops() > 0
+    x, w = torch.zeros(96, 32, dtype=torch.bfloat16), torch.zeros(1000, 32, dtype=torch.bfloat16)
+    plan = chunk_plan(x, w, 96, type("O", (), {"reduction": reduction, "softcap": None})(), "torch", "auto", 40_000)
+    assert 1000 / plan.slab > 10 and 96 / plan.rows > 2  # the loops the fake run does not take

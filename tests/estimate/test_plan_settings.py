@@ -1,0 +1,90 @@
+"""memkit estimate --budget: a plan keeps the config's own settings; the search reports estimates done, planned, ETA."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from lightning_memkit.estimate.plans import ConfigRun, Plan, search_plans
+
+TINY_LM = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_lm.yaml"
+
+
+def _callback(fragment: dict, name: str) -> dict:
+    found = [c for c in fragment["trainer"]["callbacks"] if c["class_path"].endswith("." + name)]
+    assert len(found) == 1, fragment
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_run(tmp_path_factory: pytest.TempPathFactory) -> ConfigRun:
+    """tiny_lm.yaml, its ActivationCheckpointing within ``budget_bytes`` too."""
+    import yaml
+
+    config = yaml.safe_load(TINY_LM.read_text())
+    for callback in config["trainer"]["callbacks"]:
+        if callback["class_path"].endswith(".ActivationCheckpointing"):
+            callback["init_args"]["budget_bytes"] = 50_000_000
+    path = tmp_path_factory.mktemp("plans") / "tiny_lm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return ConfigRun(path, ["--model.n_layers", "1", "--data.init_args.batch_size", "4"])
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "selective"])
+def test_a_plan_keeps_the_configs_activation_checkpointing_settings(checkpoint: str, tiny_lm_run: ConfigRun) -> None:
+    """tiny_lm.yaml recomputes ``policy: [Block]`` (and here within ``budget_bytes``): the plans' YAML says so too
+    (it once came back as ``selective: false`` alone, the rest dropped), with the plan's mode."""
+    run = tiny_lm_run
+    assert run.base.checkpoint == "full"
+    plan = Plan(run.base.precision, None, checkpoint, False, 2)
+    args = _callback(run.fragment(plan), "ActivationCheckpointing")["init_args"]
+    assert args["policy"] == ["lightning_memkit.demo.tiny_lm.Block"] and args["budget_bytes"] == 50_000_000
+    assert args["selective"] is (checkpoint == "selective")
+    assert run.edited(plan)["data"]["init_args"]["batch_size"] == 2
+
+
+@dataclass
+class _Estimate:
+    peak_bytes: int
+    step_flops: int = 1
+    step_bytes: int = 0
+
+
+class _Run:
+    """A run whose peak is the micro-batch in bytes: plans of micro-batch <= 2 fit a budget of 2."""
+
+    def __init__(self) -> None:
+        self.base = Plan("32-true", None, None, False, 8)
+        self.batch_size = 8
+
+    def axes(self):
+        for micro in (8, 4, 2, 1):
+            for checkpoint in (None, "full"):
+                yield Plan("32-true", None, checkpoint, False, micro)
+
+    def estimate(self, plan: Plan) -> _Estimate:
+        return _Estimate(plan.micro_batch)
+
+    def pipelines(self):
+        return iter(())
+
+    def fragment(self, plan: Plan) -> dict:
+        return {"trainer": {"accumulate_grad_batches": self.batch_size // plan.micro_batch}}
+
+    def notes(self, plan: Plan) -> list[str]:
+        return []
+
+
+def test_the_search_says_estimates_done_and_planned_and_the_time_left() -> None:
+    lines: list[str] = []
+    result = search_plans(_Run(), 2, margin=0.0, progress=lines.append)
+    assert len(lines) == result.estimated and result.fitting
+    assert re.fullmatch(r"estimate 1/\d+: the run as given", lines[0])
+    done_planned = [tuple(map(int, re.match(r"estimate (\d+)/(\d+): ", line).groups())) for line in lines]
+    assert [d for d, _ in done_planned] == list(range(1, len(lines) + 1))
+    assert all(d <= p for d, p in done_planned) and done_planned[-1][1] <= done_planned[0][1]  # planned only falls
+    assert all(re.search(r"\(\d+ s so far, about \d+ s left\)$", line) for line in lines[1:])
+    assert result.seconds >= 0 and f"searched in {result.seconds:.1f} s" in str(result)
