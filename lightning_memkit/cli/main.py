@@ -98,6 +98,8 @@ def main(args: ArgsType = None) -> None:
             if from_sys:
                 sys.argv[1:] = argv
         _run_subcommand(argv, from_sys)
+        if from_sys and argv[0] == "estimate":
+            _exit_without_teardown()
     except ConfigError as err:
         if debug:
             raise
@@ -107,6 +109,19 @@ def main(args: ArgsType = None) -> None:
             print(f"  see `{command} --help` for the accepted options; add --debug for the full traceback",
                   file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _exit_without_teardown() -> None:
+    """End a finished ``memkit estimate`` command now: its output flushed, logging shut down, and the process gone
+    without the interpreter's teardown of torch, transformers and Lightning (1 to 2 s on 2 cores, a sixth of a
+    QLoRA estimate). The command writes nothing but its output, and its sample processes are joined; in-process
+    callers of :func:`main` (``args`` given) return as usual."""
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 def budget_arguments(argv: list[str]) -> list[str]:

@@ -419,6 +419,23 @@ def _strongest(plans: list[Plan]) -> Plan:
     return best
 
 
+def _probes(top: Plan, plans: list[Plan]) -> list[Plan]:
+    """Per axis with a weaker choice, the strongest plan ``top`` with that axis one step weaker. Estimated right
+    after ``top`` when it fits and the run as given does not: a probe that does not fit rules out every plan at
+    most as strong on that axis (all other axes are at most ``top``'s), a face of the plans at one estimate; under a
+    tight budget most of the plans go that way. A probe that fits is a plan like any other."""
+    strongest = top.strength()
+    best: dict[int, Plan] = {}
+    for plan in plans:
+        strength = plan.strength()
+        axes = [i for i, (a, b) in enumerate(zip(strength, strongest, strict=True)) if a != b]
+        if len(axes) == 1 and strength[axes[0]] < strongest[axes[0]]:
+            i = axes[0]
+            if i not in best or strength[i] > best[i].strength()[i]:
+                best[i] = plan
+    return [best[i] for i in sorted(best)]
+
+
 def _costlier(plan: Plan, cheaper: Plan) -> bool:
     """Whether ``plan`` only adds recomputation, accumulation steps or quantization work to ``cheaper`` (same
     precision and loss): it then costs at least as much in the time model, so a fitting ``cheaper`` rules it out."""
@@ -441,6 +458,7 @@ class _Search:
     capped: int = 0  # plans left out by max_estimates
     base_cost: float = 0.0
     queue: list[Plan] = field(default_factory=list)  # the plans still to try, in order (for the progress line)
+    done: set[Plan] = field(default_factory=set)  # the plans tried (estimated or ruled out)
     start: float = field(default_factory=time.perf_counter)
 
     def ruled_out(self, plan: Plan) -> bool:
@@ -450,6 +468,9 @@ class _Search:
         """Estimate ``plan`` unless a known result rules it out; file it as fitting or failed."""
         if plan in self.queue:
             self.queue.remove(plan)
+        if plan in self.done:
+            return None
+        self.done.add(plan)
         if self.ruled_out(plan):
             self.skipped += 1
             return None
@@ -494,8 +515,10 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
     """Estimate the candidate plans of ``run`` and return those that fit ``budget_bytes``, cheapest first.
 
     The run as given and the strongest plan come first (if that one does not fit, no single-device plan does);
-    then the rest, least added work first, skipping a plan weaker than one that does not fit, or one that only
-    adds work to one that fits.
+    when only the strongest fits, it is probed with each axis one step weaker (a probe that does not fit rules
+    out that face of the plans); then the rest, least added work first, skipping a plan weaker than one that
+    does not fit, or one that only adds work to one that fits. The cheapest fitting plan is always found (plan
+    1); the others listed are fitting plans found on the way, cheapest first.
 
     Args:
         run: :class:`HFRun` or :class:`ConfigRun`; its ``base`` plan is the run as given.
@@ -521,9 +544,11 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
     base, base_cost = search.try_plan(run.base)
     strongest = (base, base_cost) if top == run.base else search.try_plan(top)
     if strongest is None or strongest[0].fits:  # None: ruled out by a fitting base (only adds work) or the limit
-        for plan in ordered:
-            if plan != top:
-                search.try_plan(plan)
+        probes = _probes(top, ordered) if strongest is not None and not base.fits else []
+        rest = [p for p in ordered if p != top and p not in probes]
+        search.queue = [*probes, *rest]
+        for plan in [*probes, *rest]:
+            search.try_plan(plan)
     else:
         search.skipped += len(ordered) - (top != run.base)  # each is weaker than the strongest, which does not fit
         search.queue = list(run.pipelines())

@@ -68,3 +68,17 @@ def test_full_trace_is_refused_where_it_means_nothing(tmp_path: Path) -> None:
     path.write_text(tiny_hf_config("llama").to_json_string())
     with pytest.raises(ConfigError, match="--full-trace: only with --hf-config"):
         estimate(["--hf-config", str(path), "--budget", "1GiB", "--full-trace"])
+
+
+def test_the_console_command_ends_without_teardown_and_prints_everything(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """``memkit estimate`` as a command exits right after its output (no interpreter teardown): the output is whole,
+    the same as in-process, and the exit status 0."""
+    path = tmp_path / "config.json"
+    path.write_text(tiny_hf_config("llama", num_layers=2).to_json_string())
+    args = ["estimate", "--hf-config", str(path), "--seq-len", "16", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "lightning_memkit.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    main(args)
+    assert json.loads(proc.stdout)["phases"] == json.loads(capsys.readouterr().out)["phases"]

@@ -88,3 +88,37 @@ def test_the_search_says_estimates_done_and_planned_and_the_time_left() -> None:
     assert all(d <= p for d, p in done_planned) and done_planned[-1][1] <= done_planned[0][1]  # planned only falls
     assert all(re.search(r"\(\d+ s so far, about \d+ s left\)$", line) for line in lines[1:])
     assert result.seconds >= 0 and f"searched in {result.seconds:.1f} s" in str(result)
+
+
+class _Lattice(_Run):
+    """Recompute x fused loss x micro-batch: peaks fall and costs rise with each axis (as the estimator's do)."""
+
+    ACTIVATIONS = {None: 1.0, "selective": 0.9, "full": 0.3}
+    WORK = {None: 1.0, "selective": 1.05, "full": 1.33}
+
+    def axes(self):
+        for micro in (8, 4, 2, 1):
+            for checkpoint in (None, "selective", "full"):
+                for fused in (False, True):
+                    yield Plan("32-true", None, checkpoint, fused, micro)
+
+    def estimate(self, plan: Plan) -> _Estimate:
+        peak = 10 + 100 * plan.micro_batch / 8 * self.ACTIVATIONS[plan.checkpoint] * (0.8 if plan.fused_loss else 1)
+        flops = 1000 * plan.micro_batch / 8 * self.WORK[plan.checkpoint] * (0.99 if plan.fused_loss else 1)
+        return _Estimate(round(peak), round(flops) + 8 // plan.micro_batch)  # + a little per accumulation step
+
+
+@pytest.mark.parametrize("budget", [15, 25, 40, 60, 90])
+def test_the_search_finds_the_cheapest_fitting_plan_with_fewer_estimates(budget: int) -> None:
+    """Probing the strongest plan one axis at a time rules out faces of the plans; plan 1 is still the cheapest of
+    all the plans that fit, found by estimating every one of them."""
+    from lightning_memkit.estimate.plans import step_cost
+
+    run = _Lattice()
+    result = search_plans(run, budget, margin=0.0)
+    costs = {p: step_cost(run.estimate(p)) * (8 // p.micro_batch) for p in run.axes()
+             if run.estimate(p).peak_bytes <= budget}
+    assert result.fitting[0].plan == min(costs, key=costs.get)
+    assert result.estimated + result.skipped == len(list(run.axes()))
+    if budget == 15:  # tight: only full recomputation of small micro-batches fits; the probes rule out most plans
+        assert result.estimated <= len(list(run.axes())) // 2
