@@ -127,13 +127,13 @@ class Mlp(nn.Module):
         return self.down(nn.functional.silu(self.up(x)))
 
 
-def test_compiled_qlora_layers_train_like_eager():
-    pytest.importorskip("bitsandbytes")
+def compiled_qlora_run() -> tuple[int, int, list[float], list[float]]:
+    """Two SGD steps of the QLoRA-converted ``Mlp``, eager then compiled (aot_eager): the compiled graphs and calls,
+    and each run's losses."""
     from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
 
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     losses = {}
-    torch.compiler.reset()  # the compilations counted below are this test's, whatever compiled before in the process
     for backend in (None, "aot_eager"):
         torch.manual_seed(0)
         model = NoSaveBitsandbytesPrecision("nf4", "float32", lora_rank=4).convert_module(Mlp())
@@ -149,9 +149,26 @@ def test_compiled_qlora_layers_train_like_eager():
             optimizer.step()
             optimizer.zero_grad()
             losses[backend].append(float(loss))
-    assert recording.graphs and recording.calls == 2
-    assert max(abs(a - b) for a, b in zip(losses[None], losses["aot_eager"])) <= 1e-5
-    assert losses["aot_eager"][1] != losses["aot_eager"][0]  # the adapters trained
+    return len(recording.graphs), recording.calls, losses[None], losses["aot_eager"]
+
+
+def test_compiled_qlora_layers_train_like_eager():
+    """In a fresh interpreter: how dynamo splits the layers into graphs depends on what the process compiled and
+    registered before (a shared test worker once split them into 25 graphs)."""
+    pytest.importorskip("bitsandbytes")
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_compile_hf as t; print(repr(t.compiled_qlora_run()))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    graphs, calls, eager, compiled = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert graphs and calls == 2  # one graph, run once per step: no graph break in the quantized layers
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) <= 1e-5
+    assert compiled[1] != compiled[0]  # the adapters trained
 
 
 def test_the_fused_loss_finds_the_causal_lm_inside_a_compiled_wrapper():
