@@ -2,8 +2,9 @@
 
     python _checkpoint_writer_worker.py DIR WRITER_ID SAVES GO_FILE OUT_JSON
 
-Waits for ``GO_FILE``, then saves ``SAVES`` times into ``DIR`` (``state_dict.w`` = ``1000 * WRITER_ID + step``,
-``meta.writer`` = ``WRITER_ID``) and writes how many saves succeeded and each error, by type and message.
+Touches ``OUT_JSON`` with the suffix ``.ready`` once imported, waits for ``GO_FILE``, then saves ``SAVES``
+times into ``DIR`` (``state_dict.w`` = ``1000 * WRITER_ID + step``, ``meta.writer`` = ``WRITER_ID``) and
+writes how many saves succeeded and each error, by type and message.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning_memkit.pipeline.checkpoint import CheckpointError, save_sharded
 def main() -> None:
     directory, writer, saves, go, out = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), \
         Path(sys.argv[5])
+    out.with_suffix(".ready").touch()  # imported: the test says go when both writers are
     while not go.exists():
         time.sleep(0.001)
     ok, errors = 0, []

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -86,6 +87,10 @@ def test_two_writers_200_saves_each_never_lose_the_committed_checkpoint(tmp_path
     go = tmp_path / "go"
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(d), str(w), "200", str(go), str(tmp_path / f"{w}.json")
                                ], env=dict(os.environ, PYTHONPATH=ranks.PYPATH)) for w in (1, 2)]
+    ready = [tmp_path / f"{w}.ready" for w in (1, 2)]
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:  # both imported: they start together
+        time.sleep(0.01)
     poller = Poller(d)
     poller.start()
     go.touch()
