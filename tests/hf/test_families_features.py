@@ -36,6 +36,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import bitsandbytes as bnb  # noqa: E402
+from hf_checks import check_measuring_callbacks, lora_weights  # noqa: E402
 
 from benchmarks.bench_estimate import BATCH, SEQ, TOLERANCE, VOCAB, Case, measure  # noqa: E402
 from lightning_memkit.demo.hf_models import TINY_HF_FAMILIES, tiny_hf_causal_lm, tiny_hf_config  # noqa: E402
@@ -192,24 +193,6 @@ def _round_trip(original: nn.Module, converted: nn.Module) -> nn.Module:
     return ref
 
 
-def _lora_weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Leaf copies of the adapters, and each adapted weight as its dequantized value plus the adapter's update."""
-    leaves, weights = {}, {}
-    for name, m in model.named_modules():
-        if isinstance(m, QLoRAExperts):
-            dense = dequantized_experts(m)
-            for proj, lora in m.lora.items():
-                a, b = (leaves.setdefault(f"{name}.lora.{proj}.{k}", getattr(lora, k).detach().clone()
-                                          .requires_grad_()) for k in ("A", "B"))
-                delta = torch.bmm(a, b) * lora.scaling  # (E, in, out)
-                weights[f"{name}.{proj}"] = dense[proj] + (delta if m.is_transposed else delta.transpose(1, 2))
-        elif isinstance(m, QUANTIZED_LINEAR) and m._modules.get("lora") is not None:
-            a, b = (leaves.setdefault(f"{name}.lora.{k}", getattr(m.lora, k).detach().clone().requires_grad_())
-                    for k in ("A", "B"))
-            weights[f"{name}.weight"] = dequantize_weight(m, torch.float32) + b @ a * m.lora.scaling
-    return leaves, weights
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_qlora_trains_only_the_adapters_with_the_loss_and_gradients_of_the_dequantized_model(family):
     original = tiny_hf_causal_lm(family, seed=0)
@@ -235,7 +218,7 @@ def test_qlora_trains_only_the_adapters_with_the_loss_and_gradients_of_the_dequa
     loss = model(**batch).loss
     loss.backward()
     assert torch.isfinite(loss)
-    leaves, weights = _lora_weights(model)
+    leaves, weights = lora_weights(model)
     ref_loss = torch.func.functional_call(reference, weights, args=(), kwargs=batch).loss
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
@@ -282,14 +265,6 @@ def test_estimate_of_each_family_config_within_tolerance_of_a_real_step(family, 
 def test_monitor_profiler_and_release_in_a_trainer(family, tmp_path):
     import lightning as L
 
-    from lightning_memkit.callbacks import (
-        PeakMemoryMonitor,
-        PhaseMemoryRelease,
-        SavedTensorProfiler,
-        StageBoundaryRelease,
-    )
-    from lightning_memkit.demo import ByteTextDataModule
-
     class Module(L.LightningModule):
         def __init__(self):
             super().__init__()
@@ -305,28 +280,5 @@ def test_monitor_profiler_and_release_in_a_trainer(family, tmp_path):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     module = Module()
-    monitor = PeakMemoryMonitor(cpu_sample_every_n_steps=1)
-    profiler = SavedTensorProfiler(every_n_steps=1, depth=4, output_dir=tmp_path)
-    release = PhaseMemoryRelease(after=("fit", "test"), strict=True)
-    boundary = StageBoundaryRelease()
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        limit_test_batches=2, callbacks=[monitor, profiler, release, boundary])
-    data = ByteTextDataModule(batch_size=2, seq_len=32, batch_format="hf")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, data)
-    trainer.test(module, data, verbose=False)
-
-    report = profiler.last_report
-    assert monitor.summary["measured_steps"] == 2
-    assert monitor.summary["max_step_peak_bytes"] >= report.peak_bytes > 0
-    rows = {row.name: row.activation_bytes for row in report.rows}
-    assert all(rows[f"model.model.layers.{i}"] > 0 for i in range(2))
-    fit_result, test_result = release.results
-    assert (fit_result.stage, test_result.stage) == ("fit", "test")
-    assert fit_result.optimizer_state_bytes == sum(2 * 4 * p.numel() + 4 for p in module.parameters())
-    assert fit_result.retained_bytes <= release.tolerance_bytes
-    assert "test_loss" in trainer.callback_metrics
-    assert sum("no stage_boundary() mark ran" in str(w.message) for w in caught) == 1
-    assert boundary.released_bytes == 0
+    assert all(p.requires_grad for p in module.parameters())
+    check_measuring_callbacks(module, tmp_path)

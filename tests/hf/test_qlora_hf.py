@@ -11,6 +11,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 bnb = pytest.importorskip("bitsandbytes")
 
+from hf_checks import lora_weights  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 
 from lightning_memkit.demo import ByteTextDataModule, HFCausalLM  # noqa: E402
@@ -124,24 +125,6 @@ def test_loss_equals_hf_with_round_tripped_weights(family, mode, dtype, tol):
     assert abs(original(**batch).loss.item() - theirs.item()) < 0.05 * abs(theirs.item())
 
 
-def _lora_weights(model, reference):
-    """Reference parameters: dequantized weight + the adapter's update as a dense delta, from leaf copies."""
-    leaves, weights = {}, {}
-    for name, m in model.named_modules():
-        if isinstance(m, QLoRAExperts):
-            dense = dequantized_experts(m)
-            for proj, lora in m.lora.items():
-                a, b = (leaves.setdefault(f"{name}.lora.{proj}.{k}", getattr(lora, k).detach().clone()
-                                          .requires_grad_()) for k in ("A", "B"))
-                delta = torch.bmm(a, b) * lora.scaling  # (E, in, out)
-                weights[f"{name}.{proj}"] = dense[proj] + (delta if m.is_transposed else delta.transpose(1, 2))
-        elif isinstance(m, QUANTIZED_LINEAR) and m._modules.get("lora") is not None:
-            a, b = (leaves.setdefault(f"{name}.lora.{k}", getattr(m.lora, k).detach().clone().requires_grad_())
-                    for k in ("A", "B"))
-            weights[f"{name}.weight"] = dequantize_weight(m, torch.float32) + b @ a * m.lora.scaling
-    return leaves, weights
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_gradients_match_plain_autograd_on_dequantized_weights(family):
     original = tiny_hf_causal_lm(family, seed=0)
@@ -154,7 +137,7 @@ def test_lora_gradients_match_plain_autograd_on_dequantized_weights(family):
     batch = _batch(seed=3)
     loss = model(**batch).loss
     loss.backward()
-    leaves, weights = _lora_weights(model, reference)
+    leaves, weights = lora_weights(model)
     ref_loss = torch.func.functional_call(reference, weights, args=(), kwargs=batch).loss
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
