@@ -76,13 +76,10 @@ TESTED, REFUSED, FAILS, NA, NONE = "tested", "refused", "fails", "n/a", "—"
 
 
 # -- collection ---------------------------------------------------------------------------------------------------
-def pytest_collection_finish(session) -> None:
-    """Plugin hook (``-p benchmarks.family_table``): write every collected test with its marks to ``$_OUT_ENV``."""
-    out = os.environ.get(_OUT_ENV)
-    if not out:
-        return
+def records_of(items: Iterable) -> list[dict]:
+    """Each collected test function of ``items`` (pytest items) as a record: id, file, function, params, marks."""
     records = []
-    for item in session.items:
+    for item in items:
         function = getattr(item, "originalname", None)
         if function is None:  # not a test function (a doctest, say)
             continue
@@ -95,7 +92,19 @@ def pytest_collection_finish(session) -> None:
             "xfail": [str(m.kwargs.get("reason", "")) for m in item.iter_markers("xfail")],
             "skip": [str(m.kwargs.get("reason", m.args[0] if m.args else "")) for m in item.iter_markers("skip")],
         })
-    Path(out).write_text(json.dumps(records, indent=1))
+    return records
+
+
+def in_paths(record: dict, paths: Iterable[str] = PATHS) -> bool:
+    """Whether ``record``'s file is one of ``paths`` (files or folders, relative to the repository)."""
+    return any(record["file"] == p or record["file"].startswith(p.rstrip("/") + "/") for p in paths)
+
+
+def pytest_collection_finish(session) -> None:
+    """Plugin hook (``-p benchmarks.family_table``): write every collected test with its marks to ``$_OUT_ENV``."""
+    out = os.environ.get(_OUT_ENV)
+    if out:
+        Path(out).write_text(json.dumps(records_of(session.items), indent=1))
 
 
 def collect(paths: Iterable[str] = PATHS, timeout: float = 300) -> list[dict]:

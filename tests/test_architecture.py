@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
@@ -47,13 +49,21 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, str | Non
     return found
 
 
+@functools.cache
+def all_imports() -> dict[str, list[tuple[str, str | None, int]]]:
+    """Module -> its :func:`imports` (each file parsed once for all the tests here)."""
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+@functools.cache
 def graph() -> tuple[dict[str, set[str]], list[str]]:
     """Module -> the package's modules it imports; and every import of another module's private name."""
     mods = modules()
     edges: dict[str, set[str]] = defaultdict(set)
     private = []
     for name, path in mods.items():
-        for target, imported, line in imports(name, path, set(mods)):
+        for target, imported, line in all_imports()[name]:
             if target in mods and target != name:
                 edges[name].add(target)
                 if imported and imported.startswith("_") and not imported.startswith("__"):
@@ -114,10 +124,9 @@ def test_nothing_but_the_command_imports_cli():
 
 @pytest.mark.parametrize("folder", CORE)
 def test_the_core_never_imports_lightning(folder):
-    mods = modules()
     offenders = [f"{path.relative_to(PACKAGE.parent)}:{line}: {target}"
-                 for name, path in mods.items() if name.startswith(f"lightning_memkit.{folder}")
-                 for target, _, line in imports(name, path, set(mods))
+                 for name, path in modules().items() if name.startswith(f"lightning_memkit.{folder}")
+                 for target, _, line in all_imports()[name]
                  if target.split(".")[0] in ("lightning", "pytorch_lightning")]
     assert offenders == []
 

@@ -1,6 +1,7 @@
 """Importing lightning_memkit: lazy (no Lightning for the pure-torch parts), quiet, fast, and registering
 ``strategy="memkit_pipeline"`` whichever of it and Lightning comes first."""
 
+import json
 import os
 import subprocess
 import sys
@@ -36,25 +37,48 @@ def run_python(code: str, *flags: str) -> subprocess.CompletedProcess:
                           timeout=240)
 
 
-@pytest.mark.parametrize("module", ["lightning_memkit", "lightning_memkit.ops", "lightning_memkit.memory",
-                                    "lightning_memkit.measure", "lightning_memkit.release",
-                                    "lightning_memkit.recompute"])
-def test_pure_torch_imports_load_no_lightning_and_are_fast(module):
+PURE_TORCH = ["lightning_memkit", "lightning_memkit.ops", "lightning_memkit.memory", "lightning_memkit.measure",
+              "lightning_memkit.release", "lightning_memkit.recompute"]
+
+
+@pytest.fixture(scope="module")
+def pure_imports() -> dict[str, tuple[float, list[str]]]:
+    """Per module of PURE_TORCH, its import time beyond ``import torch`` and the heavy modules it loaded: one
+    interpreter imports torch, then a forked child per module imports it alone (as a fresh interpreter would)."""
     proc = run_python(f"""
-        import sys, time
+        import json, os, sys, time
         import torch
-        t0 = time.perf_counter()
-        import {module}
-        took = time.perf_counter() - t0
-        heavy = sorted(m for m in sys.modules if m == "lightning" or m.startswith(("lightning.", "pytorch_lightning",
-                       "transformers", "bitsandbytes", "torch.distributed.pipelining")))
-        print(took)
-        print(heavy)
+        for module in {PURE_TORCH!r}:
+            read, write = os.pipe()
+            if os.fork() == 0:
+                t0 = time.perf_counter()
+                __import__(module)
+                took = time.perf_counter() - t0
+                heavy = sorted(m for m in sys.modules if m == "lightning" or m.startswith((
+                    "lightning.", "pytorch_lightning", "transformers", "bitsandbytes", "torch.distributed.pipelining")))
+                os.write(write, json.dumps([took, heavy]).encode())
+                os._exit(0)
+            os.close(write)
+            with os.fdopen(read) as f:
+                line = f.read()
+            _, status = os.wait()
+            assert status == 0, (module, status)
+            print(module, line)
     """)
     assert proc.returncode == 0, proc.stderr
-    took, heavy = proc.stdout.splitlines()
-    assert heavy == "[]"
-    assert float(took) < 1.5, f"import {module} took {took} s beyond import torch"
+    out = {}
+    for line in proc.stdout.splitlines():
+        module, result = line.split(" ", 1)
+        out[module] = tuple(json.loads(result))
+    assert sorted(out) == sorted(PURE_TORCH), proc.stdout
+    return out
+
+
+@pytest.mark.parametrize("module", PURE_TORCH)
+def test_pure_torch_imports_load_no_lightning_and_are_fast(module, pure_imports):
+    took, heavy = pure_imports[module]
+    assert heavy == []
+    assert took < 1.5, f"import {module} took {took} s beyond import torch"
 
 
 def test_every_public_name_resolves_lazily_to_its_home():

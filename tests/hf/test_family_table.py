@@ -20,8 +20,23 @@ def record(function, params="", file="tests/hf/test_families_features.py", xfail
             "xfail": list(xfail), "skip": list(skip)}
 
 
-def test_the_docs_table_is_rendered_from_a_fresh_collection_and_the_stored_liger_list():
-    records = ft.collect()
+def session_records(request) -> list[dict] | None:
+    """The records of this session's own collection, when it collected every one of ``ft.PATHS`` whole (no -k, -m,
+    --deselect or test id: a whole-suite run such as ``make test``); None otherwise."""
+    config = request.config
+    if config.option.keyword or config.option.markexpr or config.getoption("deselect", None):
+        return None
+    here = config.invocation_params.dir
+    roots = [(here / arg).resolve() for arg in config.args if "::" not in arg]
+    wanted = [(ft.REPO / path).resolve() for path in ft.PATHS]
+    if not all(any(root == path or root in path.parents for root in roots) for path in wanted):
+        return None
+    return [r for r in ft.records_of(request.session.items) if ft.in_paths(r)]
+
+
+def test_the_docs_table_is_rendered_from_the_collected_tests_and_the_stored_liger_list(request):
+    # a whole-suite run has collected these tests already; a run of fewer files collects them afresh
+    records = session_records(request) or ft.collect()
     assert {r["file"] for r in records} >= {"tests/hf/test_families_features.py", "tests/estimate/test_step.py"}
     text = ft.DOC.read_text()
     assert ft.replace_region(text, ft.render(records, ft.read_liger())) == text, (
@@ -81,3 +96,11 @@ def test_the_stored_liger_list_is_the_installed_one():
     pytest.importorskip("liger_kernel")
     stored = ft.read_liger()
     assert stored == ft.liger_from_installed(), "run `python -m benchmarks.family_table --liger`"
+
+
+@pytest.mark.slow
+def test_this_sessions_collection_gives_the_records_of_a_fresh_one(request):
+    here = session_records(request)
+    if here is None:
+        pytest.skip("this session did not collect every one of benchmarks.family_table.PATHS")
+    assert here == ft.collect()

@@ -1,7 +1,7 @@
+import itertools
+
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from lightning_memkit.memory import LivePeak, PoisonedReadError, UnsafeReleaseError, poison_guard, release_storage
 from lightning_memkit.release.storage_release import METADATA_ONLY_SAVES, is_released, verify_release
@@ -207,41 +207,48 @@ def _scenario(alias, consumer, read, mode):
     return values
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(ALIASES), st.sampled_from(CONSUMERS), st.sampled_from(READS))
-def test_property_release_is_refused_caught_or_harmless(alias, consumer, read):
-    reference = _scenario(alias, consumer, read, None)
-    # what torch can see: another tensor on the storage, or a node that saved h and reads it
-    visible = alias in ("view", "detach") or (alias in ("none", "identity") and consumer in ("mm", "mul_leaf"))
+SCENARIOS = list(itertools.product(ALIASES, CONSUMERS, READS))
+
+
+def _poisoned(alias, consumer, read):
+    """The scenario with a poisoned release: its values, or how it ended (``"refused"`` or ``"caught"``)."""
     try:
         with poison_guard():
-            poisoned = _scenario(alias, consumer, read, "poison")
+            return _scenario(alias, consumer, read, "poison")
     except UnsafeReleaseError:
-        assert visible, "refused although nothing visible to torch reads the storage"
-        return  # refused: nothing was released
+        return "refused"
     except PoisonedReadError:
-        assert not visible, "a reader torch could see was not refused"
-        return  # a later read (through a plain Python alias) was caught, naming the release site
-    assert not visible
-    # accepted and nothing read the storage: every value equals the reference, bit for bit
-    assert all(torch.equal(p, r) for p, r in zip(poisoned, reference))
-    # and the real release (storage freed) gives the same values
-    real = _scenario(alias, consumer, read, "real")
-    assert all(torch.equal(p, r) for p, r in zip(real, reference))
+        return "caught"
 
 
-def test_property_scenarios_exercise_every_outcome():
+@pytest.fixture(scope="module")
+def poisoned():
+    """Every scenario (all 100) run once with a poisoned release, for the tests below."""
+    return {scenario: _poisoned(*scenario) for scenario in SCENARIOS}
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_property_release_is_refused_caught_or_harmless(alias, poisoned):
+    for consumer, read in itertools.product(CONSUMERS, READS):
+        got, case = poisoned[alias, consumer, read], (alias, consumer, read)
+        # what torch can see: another tensor on the storage, or a node that saved h and reads it
+        visible = alias in ("view", "detach") or (alias in ("none", "identity") and consumer in ("mm", "mul_leaf"))
+        if got == "refused":  # nothing was released
+            assert visible, f"refused although nothing visible to torch reads the storage: {case}"
+            continue
+        if got == "caught":  # a later read (through a plain Python alias) was caught, naming the release site
+            assert not visible, f"a reader torch could see was not refused: {case}"
+            continue
+        assert not visible, case
+        # accepted and nothing read the storage: every value equals the reference, bit for bit
+        reference = _scenario(alias, consumer, read, None)
+        assert all(torch.equal(p, r) for p, r in zip(got, reference)), case
+        # and the real release (storage freed) gives the same values
+        real = _scenario(alias, consumer, read, "real")
+        assert all(torch.equal(p, r) for p, r in zip(real, reference)), case
+
+
+def test_property_scenarios_exercise_every_outcome(poisoned):
     """The property above is not vacuous: each outcome occurs in the scenario space."""
-    outcomes = set()
-    for alias in ALIASES:
-        for consumer in CONSUMERS:
-            for read in READS:
-                try:
-                    with poison_guard():
-                        _scenario(alias, consumer, read, "poison")
-                    outcomes.add("accepted")
-                except UnsafeReleaseError:
-                    outcomes.add("refused")
-                except PoisonedReadError:
-                    outcomes.add("caught")
+    outcomes = {got if isinstance(got, str) else "accepted" for got in poisoned.values()}
     assert outcomes == {"accepted", "refused", "caught"}
