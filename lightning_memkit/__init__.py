@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
-from importlib import import_module
 from typing import Any
+
+from lightning_memkit.common.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -64,19 +65,12 @@ _LAZY: dict[str, str] = {name: module for module, names in _HOMES.items() for na
 
 __all__ = sorted(["__version__", "register_pipeline_strategy", *_LAZY])
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_memkit' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
+def _registered(name: str) -> None:
     if name == "MemkitPipelineStrategy":
         register_pipeline_strategy()
-    globals()[name] = value  # later accesses skip __getattr__
-    return value
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), after=_registered)
 
 
 def register_pipeline_strategy() -> None:

@@ -1,5 +1,7 @@
-"""What every folder shares: argument checks with one message format, and progress of long work."""
+"""What every folder shares: argument checks with one message format, progress of long work, and names a package
+exports but imports on first access (:func:`lazy_exports`)."""
 
+from lightning_memkit.common.lazy import lazy_exports
 from lightning_memkit.common.progress import WorkProgress, progress_enabled
 from lightning_memkit.common.validation import (
     ArgumentTypeError,
@@ -11,4 +13,4 @@ from lightning_memkit.common.validation import (
 )
 
 __all__ = ["ArgumentTypeError", "WorkProgress", "check_bool", "check_choice", "check_int", "check_multiple",
-           "check_number", "progress_enabled"]
+           "check_number", "lazy_exports", "progress_enabled"]

@@ -7,24 +7,15 @@ torch) does not import the config readers, which need Lightning.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from lightning_memkit.common.lazy import lazy_exports
 
 _HOMES = {
-    "MemoryEstimate": "step", "PhaseEstimate": "step", "estimate_training_memory": "step",
-    "estimate_from_hf_config": "hf", "estimate_hf_pipeline": "hf", "PipelineEstimate": "hf",
-    "estimate_from_config": "config", "estimate_parsed_config": "config",
-    "search_plans": "plans", "HFRun": "plans", "ConfigRun": "plans", "Plan": "plans", "parse_bytes": "plans",
-    "InputWarning": "inputs", "read_hf_config": "inputs",
+    "MemoryEstimate": ".step", "PhaseEstimate": ".step", "estimate_training_memory": ".step",
+    "estimate_from_hf_config": ".hf", "estimate_hf_pipeline": ".hf", "PipelineEstimate": ".hf",
+    "estimate_from_config": ".config", "estimate_parsed_config": ".config",
+    "search_plans": ".plans", "HFRun": ".plans", "ConfigRun": ".plans", "Plan": ".plans", "parse_bytes": ".plans",
+    "InputWarning": ".inputs", "read_hf_config": ".inputs",
 }
 __all__ = sorted(_HOMES)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'lightning_memkit.estimate' has no attribute {name!r}")
-    return getattr(import_module(f"lightning_memkit.estimate.{_HOMES[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])

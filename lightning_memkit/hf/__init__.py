@@ -5,8 +5,7 @@ This package knows transformers' module layout and maps it onto the pure-torch c
 The pipeline stages are imported on first use (they pull in ``torch.distributed.pipelining``).
 """
 
-from importlib import import_module
-
+from lightning_memkit.common.lazy import lazy_exports
 from lightning_memkit.hf.fused_loss import fused_linear_cross_entropy
 from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
 from lightning_memkit.hf.meta_init import default_buffer_init, holds_hf_model, init_hf_buffers
@@ -20,7 +19,7 @@ from lightning_memkit.hf.qlora import (
 )
 
 _LAZY = {
-    name: "lightning_memkit.hf.pipeline_stages"
+    name: ".pipeline_stages"
     for name in ("CausalLMLoss", "CausalLMStages", "SUPPORTED_MODEL_TYPES", "causal_lm_stages", "find_causal_lm")
 }
 
@@ -40,8 +39,4 @@ __all__ = [
     *_LAZY,
 ]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_memkit.hf' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
