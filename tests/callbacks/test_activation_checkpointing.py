@@ -326,18 +326,28 @@ def _compiled_fit(callbacks, backend, steps=3):
     return rec, graphs
 
 
+@pytest.fixture(scope="module")
+def plain_aot_eager():
+    """The compiled fit without the callback (aot_eager, 3 steps): the reference of the aot_eager tests below."""
+    torch._dynamo.reset()
+    try:
+        return _compiled_fit([], "aot_eager")
+    finally:
+        torch._dynamo.reset()
+
+
 def _checkpoint_regions(graphs):
     hop = torch.ops.higher_order.tag_activation_checkpoint
     return sum(node.target is hop for gm in graphs for node in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_compiled_model_trains_with_selective_and_full_recompute(backend, fresh_dynamo):
+def test_compiled_model_trains_with_selective_and_full_recompute(backend, fresh_dynamo, request):
     """Recompute traced into the compiled graph (one checkpoint region per block), same losses, lower peak."""
     torch.manual_seed(0)
     eager = StepRecord()
     fit(CompiledStepLM(d_model=32, n_layers=2, n_heads=2, seq_len=SEQ), [eager])
-    plain, graphs = _compiled_fit([], backend)
+    plain, graphs = request.getfixturevalue("plain_aot_eager") if backend == "aot_eager" else _compiled_fit([], backend)
     assert _checkpoint_regions(graphs) == 0
     for selective in (True, False):
         callback = ActivationCheckpointing(policy={Block}, selective=selective)
@@ -349,9 +359,9 @@ def test_compiled_model_trains_with_selective_and_full_recompute(backend, fresh_
         assert rec.peaks[-1] < plain.peaks[-1]
 
 
-def test_compiled_budget_is_planned_on_the_compiled_step(fresh_dynamo):
-    plain, _ = _compiled_fit([], "aot_eager", steps=2)
-    budget = plain.peaks[-1] - 1024
+def test_compiled_budget_is_planned_on_the_compiled_step(plain_aot_eager, fresh_dynamo):
+    plain, _ = plain_aot_eager
+    budget = plain.peaks[-1] - 1024  # a step after the first (gradients kept from the step before)
     callback = ActivationCheckpointing(policy={Block}, budget_bytes=budget, selective=True)
     rec, graphs = _compiled_fit([callback], "aot_eager", steps=2)
     assert callback.modes and callback.measured_peak_bytes <= budget

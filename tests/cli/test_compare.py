@@ -1,5 +1,7 @@
 """`memkit compare`: the same config with and without memkit's memory features, measured per phase."""
 
+import contextlib
+import io
 import json
 import re
 from pathlib import Path
@@ -54,17 +56,27 @@ def test_phase_release_alone_changes_only_the_between_phases_row_by_exactly_grad
     assert any(line.startswith("PhaseMemoryRelease: after fit:") for line in result.memkit.effects)
 
 
-def test_demo_config_checkpointing_cuts_the_step_peak_and_files_agree_with_the_table(tmp_path, capsys):
-    out = tmp_path / "out"
-    result = main(["--config", str(CONFIGS / "tiny_lm.yaml"), "--steps", "2", "--out-dir", str(out), *SMALL])
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """`memkit compare --config examples/configs/tiny_lm.yaml`, as docs/compare.md runs it, once for the tests
+    that check it: its result, what it printed and its output folder."""
+    out = tmp_path_factory.mktemp("demo") / "out"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = main(["--config", str(CONFIGS / "tiny_lm.yaml"), "--out-dir", str(out)])
+    return result, printed.getvalue(), out
+
+
+def test_demo_config_checkpointing_cuts_the_step_peak_and_files_agree_with_the_table(demo_run):
+    result, printed, out = demo_run
     rows = {r.phase: r for r in result.rows}
     assert result.features == ["ActivationCheckpointing", "PhaseMemoryRelease"]
+    assert result.steps == result.baseline.steps == result.memkit.steps == 5  # the default of --steps
     assert rows["setup/load"].saved_bytes == 0 and rows["optimizer step"].saved_bytes == 0
     assert rows["forward+backward"].memkit_bytes < 0.8 * rows["forward+backward"].baseline_bytes
     assert rows["whole run"].baseline_bytes == max(rows[p].baseline_bytes for p in PHASES[:3])
     # recomputation changes no number: same losses in both runs
     assert result.memkit.loss_last == pytest.approx(result.baseline.loss_last, rel=1e-6)
-    printed = capsys.readouterr().out
     assert f"{rows['forward+backward'].saved_bytes:,}" in printed and "ActivationCheckpointing:" in printed
     data = json.loads((out / "compare.json").read_text())
     assert [(p["phase"], p["baseline_bytes"], p["memkit_bytes"], p["saved_bytes"]) for p in data["phases"]] == [
@@ -127,16 +139,18 @@ def test_cuda_rows_carry_max_memory_allocated(tmp_path):
         assert row.baseline_cuda is not None and row.baseline_cuda >= row.baseline_bytes
 
 
-def test_the_table_in_docs_compare_is_what_a_fresh_run_prints(tmp_path):
+def test_the_table_in_docs_compare_is_what_a_fresh_run_prints(demo_run):
     """docs/compare.md shows the demo config's table: it must be the one the command prints now."""
     page = (Path(__file__).resolve().parents[2] / "docs" / "compare.md").read_text()
     config, block = re.search(r"<!-- compare: (\S+) -->\n```\n(.*?)```", page, re.S).groups()
+    assert config == "examples/configs/tiny_lm.yaml"  # the config demo_run compares
     documented = [tuple(c.strip() for c in line.strip("│").split("│")) for line in block.splitlines()
                   if line.startswith("│")]
-    result = compare(Path(__file__).resolve().parents[2] / config, out_dir=tmp_path)
+    result, printed, _ = demo_run
     fresh = [(r.phase, f"{r.baseline_bytes:,}", f"{r.memkit_bytes:,}", f"{r.saved_bytes:,}", f"{r.ratio:.3f}x")
              for r in result.rows]
     assert documented == fresh
+    assert block in printed  # as printed, borders and alignment included
 
 
 def test_qlora_setup_row_is_above_the_baseline_as_documented(tmp_path):

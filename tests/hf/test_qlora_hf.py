@@ -308,7 +308,8 @@ def test_trainer_fits_only_the_adapters(family):
     module = HFCausalLM(family=family, hidden_size=64, num_layers=2, lr=1e-2)
     watch = _Watch()
     plugin = NoSaveBitsandbytesPrecision("nf4", "bfloat16", lora_rank=8)
-    trainer = Trainer(accelerator="cpu", max_steps=15, plugins=[plugin], callbacks=[watch], logger=False,
+    # 8 steps: the loss is on its plateau, ~0.4 below the first step's, after 5
+    trainer = Trainer(accelerator="cpu", max_steps=8, plugins=[plugin], callbacks=[watch], logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, ByteTextDataModule(batch_size=8, seq_len=64, batch_format="hf"))
     assert sum(watch.losses[-3:]) / 3 < watch.losses[0] - 0.2
@@ -330,14 +331,14 @@ def test_trainer_fits_only_the_adapters(family):
 def test_shipped_config_trains_qwen3_moe_qlora(tmp_path):
     from lightning_memkit.config.lightning_cli import LossTracker, MemkitCLI
 
-    overrides = {"trainer.max_steps": 40, "trainer.enable_progress_bar": False, "trainer.logger": False,
+    overrides = {"trainer.max_steps": 15, "trainer.enable_progress_bar": False, "trainer.logger": False,
                  "trainer.default_root_dir": str(tmp_path)}
     args = [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
-    cli = MemkitCLI(args=["fit", "--config", str(CONFIG), *args])
+    cli = MemkitCLI(args=["fit", "--config", str(CONFIG), *args])  # the loss is down by ~0.35 after 5 steps
     plugin = cli.trainer.precision_plugin
     assert isinstance(plugin, NoSaveBitsandbytesPrecision) and plugin.dtype is torch.bfloat16
     tracker = next(cb for cb in cli.trainer.callbacks if isinstance(cb, LossTracker))
-    assert tracker.steps == 40 and tracker.last < tracker.first - 0.2
+    assert tracker.steps == 15 and tracker.last < tracker.first - 0.2
     assert sum(isinstance(m, QLoRAExperts) for m in cli.model.modules()) == 2
 
 
