@@ -1,16 +1,23 @@
-"""Start the ranks of a multi-process test as subprocesses and collect them (imported by the tests as ``ranks``).
+"""Start the ranks of a multi-process test as processes and collect them (imported by the tests as ``ranks``).
 
 Each rank is ``python script *args`` with Lightning's environment variables (``LOCAL_RANK``, ``NODE_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and this checkout first on ``PYTHONPATH``; :func:`wait` kills
 every rank and fails the test if they take longer than the budget (a hang), and returns each exit code and output.
+
+A rank is forked by ``zygote.py``, one per test process, which has imported torch, Lightning and the package once:
+a process of its own that starts in a fraction of a second. ``MEMKIT_TEST_ZYGOTE=0`` starts each rank as a fresh
+interpreter instead.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,21 +34,93 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: Path, args: list[str], world: int, **env: str) -> list[subprocess.Popen]:
+class Forked:
+    """A process forked by the zygote, with the part of ``subprocess.Popen`` the tests use."""
+
+    def __init__(self, pid: int, out: str, err: str, rc: str) -> None:
+        self.pid, self.returncode, self._out, self._err, self._rc = pid, None, out, err, rc
+
+    def poll(self) -> int | None:
+        if self.returncode is None and os.path.exists(self._rc):
+            self.returncode = int(Path(self._rc).read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(self._out, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """Stdout (with stderr when they go together) and stderr (None then), once the process has ended."""
+        self.wait(timeout)
+        out = Path(self._out).read_text(errors="replace")
+        return out, None if self._err == self._out else Path(self._err).read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.poll() is None:  # not reaped yet: the pid is still this process's
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+_ZYGOTE: dict[str, object] = {}
+
+
+def _zygote() -> subprocess.Popen:
+    """This test process's zygote, started on first use (it ends when this process closes its input)."""
+    proc = _ZYGOTE.get("proc")
+    if proc is None or proc.poll() is not None:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py"))], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=PYPATH), text=True)
+        ready = proc.stdout.readline()
+        assert ready.startswith('{"ready"'), f"the zygote did not start: {ready!r}"
+        _ZYGOTE.update(proc=proc, dir=tempfile.mkdtemp(prefix="memkit-ranks-"), n=0)
+    return proc
+
+
+def start(argv: list[str], env: dict[str, str], stderr_to_stdout: bool = True) -> Forked | subprocess.Popen:
+    """``python *argv`` (a script and its arguments, or ``-c``, code, arguments) in the environment ``env``
+    (exactly); with ``stderr_to_stdout``, its stderr goes with its stdout."""
+    if os.environ.get("MEMKIT_TEST_ZYGOTE", "1") == "0":
+        return subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True,
+                                stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE)
+    proc = _zygote()
+    _ZYGOTE["n"] += 1
+    base = os.path.join(_ZYGOTE["dir"], str(_ZYGOTE["n"]))
+    request = {"argv": [str(a) for a in argv], "env": env, "cwd": os.getcwd(), "out": base + ".out",
+               "err": base + (".out" if stderr_to_stdout else ".err"), "rc": base + ".rc"}
+    proc.stdin.write(json.dumps(request) + "\n")
+    proc.stdin.flush()
+    return Forked(json.loads(proc.stdout.readline())["pid"], request["out"], request["err"], request["rc"])
+
+
+def run(argv: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """``python *argv`` to its end, with this checkout first on ``PYTHONPATH`` and ``env`` added (as
+    ``subprocess.run(..., capture_output=True, text=True)``); fails the test after ``timeout`` seconds."""
+    proc = start(argv, dict(os.environ, PYTHONPATH=PYPATH, **env), stderr_to_stdout=False)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"python {' '.join(map(str, argv))[:200]} did not finish in {timeout:.0f} s")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def launch(script: Path, args: list[str], world: int, **env: str) -> list[Forked | subprocess.Popen]:
     """``world`` processes running ``script`` as ranks 0..world-1 of one job (extra ``env`` variables added)."""
     port = str(free_port())
     return [
-        subprocess.Popen(
-            [sys.executable, str(script), *args],
-            env=dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port, PYTHONPATH=PYPATH, **env),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+        start([str(script), *args], dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
+                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=PYPATH, **env))
         for rank in range(world)
     ]
 
 
-def wait(procs: list[subprocess.Popen], budget: float, what: str = "run") -> list[tuple[int, str]]:
+def wait(procs: list[Forked | subprocess.Popen], budget: float, what: str = "run") -> list[tuple[int, str]]:
     """Each process's exit code and output; kill every process and fail if they take over ``budget`` seconds."""
     t0, done = time.monotonic(), []
     for p in procs:

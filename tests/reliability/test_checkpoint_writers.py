@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -85,8 +84,8 @@ def test_two_writers_200_saves_each_never_lose_the_committed_checkpoint(tmp_path
     """Old code: each commit deleted the other writer's shards; the checkpoint was unloadable in 79% of the polls."""
     d = tmp_path / "last.ckpt"
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(d), str(w), "200", str(go), str(tmp_path / f"{w}.json")
-                               ], env=dict(os.environ, PYTHONPATH=ranks.PYPATH)) for w in (1, 2)]
+    procs = [ranks.start([WORKER, d, w, 200, go, tmp_path / f"{w}.json"], dict(os.environ, PYTHONPATH=ranks.PYPATH))
+             for w in (1, 2)]
     ready = [tmp_path / f"{w}.ready" for w in (1, 2)]
     deadline = time.monotonic() + 120
     while not all(r.exists() for r in ready) and time.monotonic() < deadline:  # both imported: they start together
@@ -161,8 +160,7 @@ def test_a_killed_writer_is_taken_over_with_a_warning(tmp_path):
     d = tmp_path / "ckpt"
     code = ("import os, sys, torch; from lightning_memkit.pipeline.checkpoint import save_sharded; "
             "save_sharded(sys.argv[1], {'w': torch.ones(3)}, global_step=5); os.kill(os.getpid(), 9)")
-    done = subprocess.run([sys.executable, "-c", code, str(d)], env=dict(os.environ, PYTHONPATH=ranks.PYPATH),
-                          capture_output=True, text=True, timeout=120)
+    done = ranks.run(["-c", code, d], timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     dead = writer_lock.owner(d)
     assert dead is not None and dead["pid"] != os.getpid()
@@ -175,8 +173,8 @@ def test_a_killed_writer_is_taken_over_with_a_warning(tmp_path):
 def test_a_normal_exit_releases_the_lock(tmp_path):
     code = ("import sys, torch; from lightning_memkit.pipeline.checkpoint import save_sharded; "
             "save_sharded(sys.argv[1], {'w': torch.ones(3)}, global_step=5)")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=dict(os.environ, PYTHONPATH=ranks.PYPATH),
-                   check=True, timeout=120)
+    done = ranks.run(["-c", code, tmp_path], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
     assert writer_lock.owner(tmp_path) is None and read_manifest(tmp_path)["global_step"] == 5
 
 
@@ -242,8 +240,7 @@ def test_a_file_size_limit_names_the_limit_and_the_file(tmp_path):
             "except CheckpointError as err:\n    print(err)\n"
             "after = {p.name: p.read_bytes().hex() for p in pathlib.Path(sys.argv[1]).iterdir()}\n"
             "print(after == before)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=ranks.PYPATH))
+    done = ranks.run(["-c", code, d], timeout=120)
     out = done.stdout.strip()
     assert done.returncode == 0 and "the file size limit (EFBIG: RLIMIT_FSIZE" in out, done.stdout + done.stderr
     assert "rank_00000-" in out and "its tensors alone take 400,000 bytes" in out

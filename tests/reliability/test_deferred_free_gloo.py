@@ -2,8 +2,6 @@
 held its buffer through the work handle and ``drain`` refused every release."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import ranks
@@ -16,12 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_deferred_free_releases_after_a_real_gloo_all_to_all():
     port, world = ranks.free_port(), 2
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+    procs = [ranks.start([WORKER], dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                        MASTER_PORT=str(port), PYTHONPATH=str(ROOT))) for rank in range(world)]
     outputs = []
     try:
         for p in procs:

@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import shutil
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -351,8 +350,9 @@ def test_rank_killed_while_overwriting_last_ckpt_resumes_from_the_previous_save(
 def test_single_process_saves_resumes_and_merges(tmp_path):
     """Old code: wrote no manifest (the check fails); also pins that one process needs no group for barrier/gather."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
-    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path), "single"], capture_output=True, text=True,
-                          timeout=120, env=dict(env, PYTHONPATH=PYPATH))
+    proc = ranks.start([WORKER, tmp_path, "single"], dict(env, PYTHONPATH=PYPATH), stderr_to_stdout=False)
+    stdout, stderr = proc.communicate(timeout=120)
+    done = subprocess.CompletedProcess(proc.pid, proc.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads((tmp_path / "single.json").read_text())
     assert r["resumed"] == r["full"][4:] and len(r["full"]) == 6  # epoch 3 from the epoch-2 save, bit for bit

@@ -106,7 +106,7 @@ def errors(out: Path) -> dict:
     }
     if int(os.environ["LOCAL_RANK"]) == 0:  # another live run (the test process itself) holds `locked`
         locked.mkdir()
-        parent = os.getppid()
+        parent = int(os.environ["TEST_PID"])
         start = Path(f"/proc/{parent}/stat").read_text().rpartition(")")[2].split()[19]
         (locked / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": parent, "start": start,
                                                     "run_id": "other-run", "since": "earlier"}))

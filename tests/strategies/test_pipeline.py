@@ -135,7 +135,7 @@ def test_example_config_builds_the_strategy_through_lightning_cli(tmp_path):
 
 def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
     """TinyLM on 2 ranks: the same losses as plain training, identical losses after resume, clear errors."""
-    for code, out in ranks.wait(ranks.launch(WORKER, [str(tmp_path)], 2), 150, "fit"):
+    for code, out in ranks.wait(ranks.launch(WORKER, [str(tmp_path)], 2, TEST_PID=str(os.getpid())), 150, "fit"):
         assert code == 0, out[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     ref = r0.pop("reference")
