@@ -82,16 +82,17 @@ def _zygote() -> subprocess.Popen:
     return proc
 
 
-def start(argv: list[str], env: dict[str, str], stderr_to_stdout: bool = True) -> Forked | subprocess.Popen:
+def start(argv: list, env: dict[str, str], stderr_to_stdout: bool = True, cwd: Path | None = None,
+          ) -> Forked | subprocess.Popen:
     """``python *argv`` (a script and its arguments, or ``-c``, code, arguments) in the environment ``env``
-    (exactly); with ``stderr_to_stdout``, its stderr goes with its stdout."""
+    (exactly), in ``cwd`` (default: this process's); with ``stderr_to_stdout``, its stderr goes with its stdout."""
     if os.environ.get("MEMKIT_TEST_ZYGOTE", "1") == "0":
-        return subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True,
-                                stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE)
+        return subprocess.Popen([sys.executable, *map(str, argv)], env=env, stdout=subprocess.PIPE, text=True,
+                                stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE, cwd=cwd)
     proc = _zygote()
     _ZYGOTE["n"] += 1
     base = os.path.join(_ZYGOTE["dir"], str(_ZYGOTE["n"]))
-    request = {"argv": [str(a) for a in argv], "env": env, "cwd": os.getcwd(), "out": base + ".out",
+    request = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd or os.getcwd()), "out": base + ".out",
                "err": base + (".out" if stderr_to_stdout else ".err"), "rc": base + ".rc"}
     proc.stdin.write(json.dumps(request) + "\n")
     proc.stdin.flush()

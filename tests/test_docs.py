@@ -16,7 +16,8 @@ set-up. An HTML comment right before a block says how it runs:
 - ``<!-- run: cuda -->``: needs a GPU; runs as above in a test marked ``cuda``, skipped without CUDA
   (earlier garbage collected, the CUDA cache emptied and the peak statistics reset before it).
 - ``<!-- run: multiprocess -->``: starts processes of its own; written to a script file in its own new
-  directory and run with this Python in a subprocess, in a test marked ``slow`` (``MEMKIT_RUN_SLOW=1``).
+  directory and run as ``python script`` in a process of its own (``ranks.start``), in a test marked ``slow``
+  (``MEMKIT_RUN_SLOW=1``).
 - ``<!-- not run: reason -->``: cannot run as written (a fragment of a method, a user's own checkpoint);
   the reason must be given.
 
@@ -28,7 +29,6 @@ import contextlib
 import gc
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ranks
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,7 +240,9 @@ def test_multiprocess_block_runs(block, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     script = scratch / f"block_line{block.line}.py"
     script.write_text(block.code)
-    proc = subprocess.run([sys.executable, script.name], cwd=scratch, env=env, capture_output=True, text=True,
-                          timeout=MULTIPROCESS_TIMEOUT_S)
-    output = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"{block.where} exited with {proc.returncode}:\n{output}"
+    proc = ranks.start([script.name], env, cwd=scratch)
+    try:
+        output, _ = proc.communicate(timeout=MULTIPROCESS_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, f"{block.where} exited with {proc.returncode}:\n{output[-6000:]}"

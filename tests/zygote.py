@@ -36,6 +36,8 @@ def _run_child(request: dict) -> int:
     os.dup2(err, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.chdir(request["cwd"])
+    if "multiprocessing.process" in sys.modules:  # the start directory, as a process started here would record
+        sys.modules["multiprocessing.process"].ORIGINAL_DIR = os.getcwd()
     os.environ.clear()
     os.environ.update(request["env"])
     rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
@@ -54,7 +56,7 @@ def _run_child(request: dict) -> int:
             exec(compile(argv[1], "<string>", "exec"), main.__dict__)
         else:  # python script args: the script's folder first on sys.path
             sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
+            runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")  # its __file__ absolute, as python's
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
             return exit_.code or 0
