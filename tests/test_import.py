@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -32,53 +33,83 @@ CORE = {
 }
 
 
-def run_python(code: str, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *flags, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=240)
+FORKER = """
+import json, os, sys, traceback, warnings
+import torch
+folder, parallel, snippets = sys.argv[1], sys.argv[2] == "1", json.loads(sys.argv[3])
+children = {}
+for name, (code, warn) in snippets.items():
+    pid = os.fork()
+    if pid == 0:
+        for fd, suffix in ((1, "out"), (2, "err")):
+            os.dup2(os.open(os.path.join(folder, name + "." + suffix), os.O_WRONLY | os.O_CREAT, 0o644), fd)
+        if warn:
+            warnings.simplefilter(warn)  # as -W would
+        rc = 0
+        try:
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        except SystemExit as exit_:
+            rc = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    children[pid] = name
+    if not parallel:
+        pid, status = os.waitpid(pid, 0)
+        print(children.pop(pid), os.waitstatus_to_exitcode(status), flush=True)
+for _ in range(len(children)):
+    pid, status = os.wait()
+    print(children[pid], os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def forked(snippets: dict[str, str | tuple[str, str]], folder: Path, parallel: bool = True,
+           ) -> dict[str, subprocess.CompletedProcess]:
+    """Each snippet (code, or code and a ``-W`` action) run as ``python -c`` would run it, in a process of its own
+    that has imported torch and nothing else: one interpreter imports torch, then forks a child per snippet (all
+    at once with ``parallel``)."""
+    names = {f"s{i}": name for i, name in enumerate(snippets)}
+    request = {key: (textwrap.dedent(code), "") if isinstance(code := snippets[name], str)
+               else (textwrap.dedent(code[0]), code[1]) for key, name in names.items()}
+    proc = subprocess.run([sys.executable, "-c", FORKER, str(folder), str(int(parallel)), json.dumps(request)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    codes = dict(line.split() for line in proc.stdout.splitlines())
+    assert sorted(codes) == sorted(names), proc.stdout
+    return {name: subprocess.CompletedProcess(name, int(codes[key]), (folder / f"{key}.out").read_text(),
+                                              (folder / f"{key}.err").read_text()) for key, name in names.items()}
 
 
 PURE_TORCH = ["lightning_memkit", "lightning_memkit.ops", "lightning_memkit.memory", "lightning_memkit.measure",
               "lightning_memkit.release", "lightning_memkit.recompute"]
+HEAVY = ("lightning.", "pytorch_lightning", "transformers", "bitsandbytes", "torch.distributed.pipelining")
 
 
 @pytest.fixture(scope="module")
-def pure_imports() -> dict[str, tuple[float, list[str]]]:
-    """Per module of PURE_TORCH, its import time beyond ``import torch`` and the heavy modules it loaded: one
-    interpreter imports torch, then a forked child per module imports it alone (as a fresh interpreter would)."""
-    proc = run_python(f"""
-        import json, os, sys, time
-        import torch
-        for module in {PURE_TORCH!r}:
-            read, write = os.pipe()
-            if os.fork() == 0:
-                t0 = time.perf_counter()
-                __import__(module)
-                took = time.perf_counter() - t0
-                heavy = sorted(m for m in sys.modules if m == "lightning" or m.startswith((
-                    "lightning.", "pytorch_lightning", "transformers", "bitsandbytes", "torch.distributed.pipelining")))
-                os.write(write, json.dumps([took, heavy]).encode())
-                os._exit(0)
-            os.close(write)
-            with os.fdopen(read) as f:
-                line = f.read()
-            _, status = os.wait()
-            assert status == 0, (module, status)
-            print(module, line)
-    """)
-    assert proc.returncode == 0, proc.stderr
-    out = {}
-    for line in proc.stdout.splitlines():
-        module, result = line.split(" ", 1)
-        out[module] = tuple(json.loads(result))
-    assert sorted(out) == sorted(PURE_TORCH), proc.stdout
-    return out
+def pure_imports(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Per module of PURE_TORCH, imported alone beyond ``import torch``: its import time, then the heavy modules it
+    loaded (one after the other, so that the times do not compete)."""
+    code = """
+        import sys, time
+        t0 = time.perf_counter()
+        import {}
+        print(time.perf_counter() - t0)
+        print(sorted(m for m in sys.modules if m == "lightning" or m.startswith({!r})))
+    """
+    snippets = {module: code.format(module, HEAVY) for module in PURE_TORCH}
+    return forked(snippets, tmp_path_factory.mktemp("pure"), parallel=False)
 
 
 @pytest.mark.parametrize("module", PURE_TORCH)
 def test_pure_torch_imports_load_no_lightning_and_are_fast(module, pure_imports):
-    took, heavy = pure_imports[module]
-    assert heavy == []
-    assert took < 1.5, f"import {module} took {took} s beyond import torch"
+    proc = pure_imports[module]
+    assert proc.returncode == 0, proc.stderr
+    took, heavy = proc.stdout.splitlines()
+    assert heavy == "[]"
+    assert float(took) < 1.5, f"import {module} took {took} s beyond import torch"
 
 
 def test_every_public_name_resolves_lazily_to_its_home():
@@ -125,45 +156,48 @@ ORDERS = [
 _ORDER_TEXT = [o.values[0] if hasattr(o, "values") else o for o in ORDERS]
 
 
+HOOK_CHECK = """
+    import sys
+    import lightning_memkit
+    hooks = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
+    import json, lightning_memkit.ops, lightning_memkit.memory  # unrelated imports: hook stays, untouched
+    still = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
+    print(len(hooks), still == hooks, "lightning.pytorch" in sys.modules)
+"""
+EVERY_SUBMODULE = """
+    import importlib, pkgutil
+    import lightning_memkit
+    names = [m.name for m in pkgutil.walk_packages(lightning_memkit.__path__, "lightning_memkit.")]
+    assert len(names) > 40, names
+    for name in names:
+        importlib.import_module(name)
+"""
+
+
 @pytest.fixture(scope="module")
-def registry_runs() -> dict[str, subprocess.Popen]:
-    """One fresh interpreter per import order that runs here, all started at once (each spends seconds importing
-    Lightning)."""
+def fresh(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The import orders that run here, the hook check and the import of every submodule (with ``-W default``),
+    each in a process of its own, all at once (each spends seconds importing Lightning)."""
     run_slow = os.environ.get("MEMKIT_RUN_SLOW", "") == "1"  # as tests/conftest.py reads it
     orders = _ORDER_TEXT if run_slow else [o for o in ORDERS if isinstance(o, str)]
-    return {first: subprocess.Popen([sys.executable, "-c", "import sys\n" + first + textwrap.dedent(REGISTRY_CHECK)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for first in orders}
+    snippets = {first: "import sys\n" + first + textwrap.dedent(REGISTRY_CHECK) for first in orders}
+    return forked({**snippets, "hook": HOOK_CHECK, "every submodule": (EVERY_SUBMODULE, "default")},
+                  tmp_path_factory.mktemp("fresh"))
 
 
 @pytest.mark.parametrize("first", ORDERS)
-def test_memkit_pipeline_is_registered_whichever_is_imported_first(first, registry_runs):
-    stdout, stderr = registry_runs[first].communicate(timeout=240)
-    assert registry_runs[first].returncode == 0, stderr
+def test_memkit_pipeline_is_registered_whichever_is_imported_first(first, fresh):
+    assert fresh[first].returncode == 0, fresh[first].stderr
     # the hook left sys.meta_path and lightning.pytorch kept its own loader
-    assert stdout.split("\n")[-2] == "True True [] SourceFileLoader SourceFileLoader"
+    assert fresh[first].stdout.split("\n")[-2] == "True True [] SourceFileLoader SourceFileLoader"
 
 
-def test_the_hook_waits_for_lightning_and_leaves_other_imports_alone():
-    proc = run_python("""
-        import sys
-        import lightning_memkit
-        hooks = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
-        import json, lightning_memkit.ops, lightning_memkit.memory  # unrelated imports: hook stays, untouched
-        still = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
-        print(len(hooks), still == hooks, "lightning.pytorch" in sys.modules)
-    """)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "1 True False"
+def test_the_hook_waits_for_lightning_and_leaves_other_imports_alone(fresh):
+    assert fresh["hook"].returncode == 0, fresh["hook"].stderr
+    assert fresh["hook"].stdout.strip() == "1 True False"
 
 
-def test_importing_every_submodule_prints_nothing():
-    proc = run_python("""
-        import importlib, pkgutil
-        import lightning_memkit
-        names = [m.name for m in pkgutil.walk_packages(lightning_memkit.__path__, "lightning_memkit.")]
-        assert len(names) > 40, names
-        for name in names:
-            importlib.import_module(name)
-    """, "-W", "default")
+def test_importing_every_submodule_prints_nothing(fresh):
+    proc = fresh["every submodule"]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "" and proc.stderr == ""
