@@ -37,15 +37,15 @@ Kinds and checks, any of which failing means the whole model is traced instead (
 - every fitted function reproduces every sample exactly, with at least one sample more than it has unknowns (so
   that the fit is a check, not an interpolation), and the full depth's counts are a combination of the samples'.
 
-Example (a 12-layer tiny Llama, composed from depths 3, 4 and 5; the same bytes as its full trace)::
+Example (an 8-layer tiny Llama, composed from depths 3, 4 and 5; the same bytes as its full trace)::
 
     >>> import pathlib, tempfile
     >>> from lightning_memkit.demo.hf_models import tiny_hf_config
     >>> from lightning_memkit.estimate.hf import estimate_from_hf_config
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "config.json"
-    >>> _ = path.write_text(tiny_hf_config("llama", num_layers=12).to_json_string())
-    >>> composed = estimate_from_hf_config(path, seq_len=32, precision="bf16-true", compose=True)
-    >>> full = estimate_from_hf_config(path, seq_len=32, precision="bf16-true", compose=False)
+    >>> _ = path.write_text(tiny_hf_config("llama", num_layers=8).to_json_string())
+    >>> composed = estimate_from_hf_config(path, seq_len=16, precision="bf16-true", compose=True)
+    >>> full = estimate_from_hf_config(path, seq_len=16, precision="bf16-true", compose=False)
     >>> [p.peak_bytes for p in composed.phases] == [p.peak_bytes for p in full.phases]
     True
     >>> any(a.startswith("composed from") for a in composed.assumptions)

@@ -10,9 +10,10 @@ buffers it allocated before the loop, ~20 such ops per slab and ~150 slabs per c
 - ``device`` queries (``prim.device``): the fake tensor's device, as ``FakeTensorMode`` answers them;
 - view ops (one fake input, one output aliasing it): the meta kernel on the fake tensor, wrapped as a fake
   tensor on the same storage, as ``FakeTensorMode`` does for them (without its cache and checks);
-- in-place arithmetic (``copy_``, ``add_``, ``sub_``, ``mul_``, ``div_``, ``addmm_``, ``zero_``, ``fill_``) whose
-  operands broadcast to the written tensor: that tensor, unchanged (autograd, above the modes, has already
-  bumped its version);
+- in-place arithmetic (``copy_``, ``add_``, ``sub_``, ``mul_``, ``div_``, ``addmm_``, ``zero_``, ``fill_``; the
+  optimizers' ``lerp_``, ``addcmul_``, ``addcdiv_`` with operands of the written tensor's dtype) whose operands
+  broadcast to the written tensor: that tensor, unchanged (autograd, above the modes, has already bumped its
+  version);
 - ``mm(..., out=)`` into an output of the right shape and dtype whose rows or columns are contiguous (a slice of
   columns of a wider buffer, as the CPU kernel writes it in place): that output.
 
@@ -49,12 +50,14 @@ __all__ = ["FastOps"]
 _aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
 #: in-place ops whose result is their first argument with its metadata unchanged, and the shape each of their
-#: other tensor operands must broadcast to it from (``None``: the operand's own shape)
+#: other tensor operands must broadcast to it from (``None``: the operand's own shape; ``"same dtype"``: its own,
+#: in the written tensor's dtype)
 _IN_PLACE = {
     _aten.copy_.default: None, _aten.add_.Tensor: None, _aten.add_.Scalar: None, _aten.sub_.Tensor: None,
     _aten.sub_.Scalar: None, _aten.mul_.Tensor: None, _aten.mul_.Scalar: None, _aten.div_.Tensor: None,
     _aten.div_.Scalar: None, _aten.zero_.default: None, _aten.fill_.Scalar: None,
-    _aten.addmm_.default: "matmul",
+    _aten.addmm_.default: "matmul", _aten.lerp_.Scalar: "same dtype", _aten.lerp_.Tensor: "same dtype",
+    _aten.addcmul_.default: "same dtype", _aten.addcdiv_.default: "same dtype",
 }
 _OUT = (_aten.mm.out,)
 
@@ -143,6 +146,8 @@ class FastOps(TorchDispatchMode):
                 if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or a.dtype != b.dtype:
                     return None
                 shapes = [(a.shape[0], b.shape[1])]
+            elif _IN_PLACE[func] == "same dtype" and any(t.dtype != first.dtype for t in others):
+                return None  # the kernel refuses (lerp_) or promotes: the long way decides
             if not all(_broadcasts_to(s, first.shape) for s in shapes):
                 return None
             return first

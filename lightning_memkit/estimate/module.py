@@ -181,7 +181,8 @@ class ModuleRun:
                 optimizer=configured_optimizer, precision=plan.precision,
                 checkpoint=self.policy if plan.checkpoint else None, checkpoint_mode=plan.checkpoint or "full",
                 patches=hf_patches(plan.checkpoint is not None and self.has_causal_lm, plan.fused_loss),
-                plugin=self.plugin, zero_grad="accumulate" if accumulating else "after_forward", target=self.target)
+                plugin=self.plugin, zero_grad="accumulate" if accumulating else "after_forward", target=self.target,
+                warmup="synthetic")
 
     def fragment(self, plan: Plan) -> dict[str, Any]:
         """The changes of ``plan`` as trainer keys (what ``MemoryBudget`` applies)."""

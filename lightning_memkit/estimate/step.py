@@ -454,6 +454,7 @@ def estimate_training_memory(
     checkpoint_mode: str = "full",
     target: str = "cpu",
     fake_batch: bool = False,
+    warmup: str = "step",
 ) -> MemoryEstimate:
     """Predict the per-phase device peak of a steady-state training step; see the module doc.
 
@@ -489,6 +490,9 @@ def estimate_training_memory(
         fake_batch: ``batch_factory`` runs under the fake mode too: the batch takes no memory and has no values
             (right for token ids a model only embeds; a model that reads its batch, e.g. to check labels,
             needs the default: a real batch, made outside the fake mode).
+        warmup: ``"step"``: the first step runs for real; ``"synthetic"``: its state (gradients, optimizer state) is
+            made directly (about half the work) and checked by the recorded step, which is traced again after a
+            real first step where the check fails (:func:`trace_steady_step`): the same bytes either way.
 
     Raises:
         TypeError / ValueError: a bad argument, named, before anything is built.
@@ -498,12 +502,14 @@ def estimate_training_memory(
     check_choice(checkpoint_mode, "checkpoint_mode", CHECKPOINT_MODES, owner=_OWNER)
     check_choice(target, "target", TARGETS, owner=_OWNER)
     check_bool(fake_batch, "fake_batch", owner=_OWNER)
+    check_choice(warmup, "warmup", WARMUPS, owner=_OWNER)
     _check_plugin(plugin, precision)
     make_optimizer, opt_name = resolve_optimizer(optimizer, optimizer_kwargs)
     start = time.perf_counter()
-    trace = trace_training_step(model_factory, batch_factory, make_optimizer, loss_fn=loss_fn, precision=precision,
-                                checkpoint=(checkpoint, checkpoint_mode), patches=patches, zero_grad=zero_grad,
-                                plugin=plugin, target=target, fake_batch=fake_batch)
+    tracing = trace_steady_step if warmup == "synthetic" else trace_training_step
+    trace = tracing(model_factory, batch_factory, make_optimizer, loss_fn=loss_fn, precision=precision,
+                    checkpoint=(checkpoint, checkpoint_mode), patches=patches, zero_grad=zero_grad, plugin=plugin,
+                    target=target, fake_batch=fake_batch)
     return trace.estimate(opt_name, time.perf_counter() - start)
 
 
@@ -603,6 +609,16 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         del run, model, optim, blocks
     return StepTrace(phases, counts[0], counts[1], precision if plugin is None else type(plugin).__name__, features,
                      fast.flops, tracker.allocated, target, foreach, events, layers)
+
+
+def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],
+                      make_optimizer: Callable[[nn.Module], Any], **kwargs: Any) -> StepTrace:
+    """:func:`trace_training_step` after a synthetic warm-up (half the work), traced again after a real first step
+    where the recorded step is not a steady state (:class:`WarmupMismatch`). ``model_factory`` may be called twice."""
+    try:
+        return trace_training_step(model_factory, batch_factory, make_optimizer, warmup="synthetic", **kwargs)
+    except WarmupMismatch:
+        return trace_training_step(model_factory, batch_factory, make_optimizer, **kwargs)
 
 
 def _synthetic_warmup(run: _Run) -> dict[str, tuple[int, torch.dtype]]:

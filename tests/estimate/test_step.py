@@ -104,6 +104,34 @@ def test_a_fake_batch_gives_the_same_estimate() -> None:
         estimate_training_memory(_mlp, _batch, fake_batch="yes")
 
 
+class _KeepsATensor(nn.Module):
+    """The MLP, keeping a tensor its first forward makes: a first step leaves more than gradients and state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.kept = _mlp(), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kept is None:
+            self.kept = torch.empty(4096)
+        return self.net(x)
+
+
+def test_a_synthetic_warmup_gives_the_same_estimate() -> None:
+    """``warmup="synthetic"`` makes the first step's gradients and optimizer state directly: the same bytes as a real
+    first step; where the recorded step shows more kept (not a steady state) it is traced again after a real one."""
+    from lightning_memkit.estimate.step import WarmupMismatch, resolve_optimizer, trace_training_step
+
+    for factory in (_mlp, _KeepsATensor):
+        real = estimate_training_memory(factory, _batch, loss_fn=_loss)
+        assert estimate_training_memory(factory, _batch, loss_fn=_loss, warmup="synthetic").phases == real.phases
+    with pytest.raises(WarmupMismatch, match="not a steady state"):
+        trace_training_step(_KeepsATensor, _batch, resolve_optimizer("adamw", None)[0], loss_fn=_loss,
+                            warmup="synthetic")
+    with pytest.raises(ValueError, match="warmup"):
+        estimate_training_memory(_mlp, _batch, warmup="none")
+
+
 def test_ops_of_real_tensors_that_expand_past_the_limit_are_fake() -> None:
     from torch._subclasses.fake_tensor import is_fake
 
