@@ -111,8 +111,9 @@ def run(argv: list[str], timeout: float, **env: str) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-def launch(script: Path, args: list[str], world: int, **env: str) -> list[Forked | subprocess.Popen]:
-    """``world`` processes running ``script`` as ranks 0..world-1 of one job (extra ``env`` variables added)."""
+def launch(script: Path | str, args: list[str], world: int, **env: str) -> list[Forked | subprocess.Popen]:
+    """``world`` processes running ``python script *args`` (``script`` may be ``"-c"``, ``args`` the code) as ranks
+    0..world-1 of one job (extra ``env`` variables added)."""
     port = str(free_port())
     return [
         start([str(script), *args], dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),

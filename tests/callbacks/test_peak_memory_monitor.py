@@ -1,13 +1,9 @@
-import os
-import socket
-import types
-from datetime import timedelta
+import json
 
 import lightning as L
 import pytest
+import ranks
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from torch import nn
@@ -196,41 +192,35 @@ def test_tracker_closed_when_the_step_raises():
     assert_no_mode_left()
 
 
-def _sync_worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
-        trainer = types.SimpleNamespace(
-            strategy=types.SimpleNamespace(root_device=torch.device("cpu")), loggers=[], global_step=0,
-            is_global_zero=rank == 0,
-        )
-        monitor = PeakMemoryMonitor(verbose=False)
-        monitor.setup(trainer, None, "fit")
-        for b in [1000 * (rank + 1), 10 * (rank + 1)] if rank == 0 else [1000 * (rank + 1)]:
-            monitor._record(trainer, b, None)
-        monitor.on_train_end(trainer, None)
-        queue.put((rank, monitor.summary))
-    finally:
-        dist.destroy_process_group()
+SYNC_WORKER = """
+import json, os, types
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from lightning_memkit.callbacks import PeakMemoryMonitor
+
+rank = int(os.environ["LOCAL_RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=30))
+try:
+    trainer = types.SimpleNamespace(
+        strategy=types.SimpleNamespace(root_device=torch.device("cpu")), loggers=[], global_step=0,
+        is_global_zero=rank == 0,
+    )
+    monitor = PeakMemoryMonitor(verbose=False)
+    monitor.setup(trainer, None, "fit")
+    for b in [1000 * (rank + 1), 10 * (rank + 1)] if rank == 0 else [1000 * (rank + 1)]:
+        monitor._record(trainer, b, None)
+    monitor.on_train_end(trainer, None)
+    print("SUMMARY", json.dumps(monitor.summary))
+finally:
+    dist.destroy_process_group()
+"""
 
 
 def test_summary_is_synced_over_ranks():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_sync_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, summary in results.items():
+    for rank, (code, out) in enumerate(ranks.wait(ranks.launch("-c", [SYNC_WORKER], 2), 120, "monitor sync")):
+        assert code == 0, out[-3000:]
+        summary = json.loads(next(line for line in out.splitlines() if line.startswith("SUMMARY "))[8:])
         assert summary["max_step_peak_bytes"] == 2000  # rank 1's step, seen by both ranks
         assert summary["mean_step_peak_bytes"] == (1000 + 10 + 2000) / 3
         assert summary["measured_steps"] == (2 if rank == 0 else 1)  # local count

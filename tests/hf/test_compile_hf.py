@@ -153,17 +153,17 @@ def compiled_qlora_run() -> tuple[int, int, list[float], list[float]]:
 
 
 def test_compiled_qlora_layers_train_like_eager():
-    """In a fresh interpreter: how dynamo splits the layers into graphs depends on what the process compiled and
+    """In a process of its own: how dynamo splits the layers into graphs depends on what the process compiled and
     registered before (a shared test worker once split them into 25 graphs)."""
     pytest.importorskip("bitsandbytes")
     import ast
-    import subprocess
-    import sys
     from pathlib import Path
+
+    import ranks  # a process of its own that has imported torch, Lightning and transformers, nothing compiled
 
     here = str(Path(__file__).resolve().parent)
     code = f"import sys; sys.path.insert(0, {here!r}); import test_compile_hf as t; print(repr(t.compiled_qlora_run()))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = ranks.run(["-c", code], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     graphs, calls, eager, compiled = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
     assert graphs and calls == 2  # one graph, run once per step: no graph break in the quantized layers
