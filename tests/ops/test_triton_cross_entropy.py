@@ -1,8 +1,8 @@
 """The Triton cross-entropy kernel on CPU under ``TRITON_INTERPRET=1``.
 
 The interpreter is chosen when triton decorates the kernel, so the checks run in a subprocess with
-the variable set (it never leaks into other tests): the driver test below re-runs this file there,
-where only the ``interpreted`` tests run.
+the variable set (it never leaks into other tests): the driver test below re-runs this file and
+``test_padded_index_gather.py`` there, where only the ``interpreted`` tests run.
 """
 
 import functools
@@ -28,7 +28,8 @@ def test_triton_kernels_in_a_subprocess():
         pytest.skip("already inside the interpreter run")
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", str(Path(__file__))]
+    files = [str(Path(__file__)), str(Path(__file__).with_name("test_padded_index_gather.py"))]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", *files]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = run.stdout[-6000:] + run.stderr[-2000:]
     assert run.returncode == 0, out
