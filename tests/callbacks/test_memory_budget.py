@@ -37,7 +37,7 @@ class StepLosses(pl.Callback):
 def _model(kind: str) -> pl.LightningModule:
     if kind == "tiny_lm":
         return TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=64)
-    return HFCausalLM(family=kind, hidden_size=64, num_layers=2, vocab_size=256)
+    return HFCausalLM(family=kind, hidden_size=64, num_layers=1, vocab_size=256)
 
 
 def _fit(kind: str, *callbacks: pl.Callback) -> tuple[int, StepLosses, pl.LightningModule]:

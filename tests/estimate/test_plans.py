@@ -31,7 +31,7 @@ trainer:
   default_root_dir: ROOT
 model:
   class_path: lightning_memkit.demo.HFCausalLM
-  init_args: {family: llama, hidden_size: 64, num_layers: 2}
+  init_args: {family: llama, hidden_size: 64, num_layers: 1}
 data:
   class_path: lightning_memkit.demo.ByteTextDataModule
   init_args: {batch_size: 4, seq_len: 64, batch_format: hf}
