@@ -25,11 +25,14 @@ demo: $(STAMP)
 # Lint, the tests and the package's docstring examples. Tests marked slow (several processes, long runs) are
 # skipped: `make test MEMKIT_RUN_SLOW=1` (what .ci/run does) runs them too. The tests run in TEST_WORKERS
 # processes (pytest-xdist; each test module stays in one of them); `make test TEST_WORKERS=0` runs them in this one.
+# The run writes bytecode caches (__pycache__/, ignored by git) even where PYTHONDONTWRITEBYTECODE is set: it starts
+# about a hundred Python processes, and each would compile the package again (over a second each).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check lightning_memkit tests benchmarks examples
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) \
-		--dist loadscope) $(PYTEST_ARGS); rc=$$?; \
+	PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q -j 0 lightning_memkit tests benchmarks examples > /dev/null
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider --durations=15 \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 $(BENCH_STAMP): $(STAMP)

@@ -84,8 +84,9 @@ def _zygote() -> subprocess.Popen:
 
 def start(argv: list, env: dict[str, str], stderr_to_stdout: bool = True, cwd: Path | None = None,
           ) -> Forked | subprocess.Popen:
-    """``python *argv`` (a script and its arguments, or ``-c``, code, arguments) in the environment ``env``
-    (exactly), in ``cwd`` (default: this process's); with ``stderr_to_stdout``, its stderr goes with its stdout."""
+    """``python *argv`` (a script and its arguments; ``-c``, code, arguments; or ``-m``, module, arguments) in the
+    environment ``env`` (exactly), in ``cwd`` (default: this process's); with ``stderr_to_stdout``, its stderr goes
+    with its stdout."""
     if os.environ.get("MEMKIT_TEST_ZYGOTE", "1") == "0":
         return subprocess.Popen([sys.executable, *map(str, argv)], env=env, stdout=subprocess.PIPE, text=True,
                                 stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE, cwd=cwd)
@@ -99,10 +100,10 @@ def start(argv: list, env: dict[str, str], stderr_to_stdout: bool = True, cwd: P
     return Forked(json.loads(proc.stdout.readline())["pid"], request["out"], request["err"], request["rc"])
 
 
-def run(argv: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
-    """``python *argv`` to its end, with this checkout first on ``PYTHONPATH`` and ``env`` added (as
+def run(argv: list, timeout: float, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """``python *argv`` to its end in ``cwd``, with this checkout first on ``PYTHONPATH`` and ``env`` added (as
     ``subprocess.run(..., capture_output=True, text=True)``); fails the test after ``timeout`` seconds."""
-    proc = start(argv, dict(os.environ, PYTHONPATH=PYPATH, **env), stderr_to_stdout=False)
+    proc = start(argv, dict(os.environ, PYTHONPATH=PYPATH, **env), stderr_to_stdout=False, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -2,11 +2,11 @@
 the multi-process tests start in a fraction of a second instead of importing all of it again (see ``ranks.py``).
 
 Protocol, one JSON line each way: a request ``{"argv": [...], "env": {...}, "cwd": ..., "out": path, "err": path,
-"rc": path}`` is answered with ``{"pid": pid}``. The child runs ``python *argv`` (a script, or ``-c`` code) as
-that command would, in the environment ``env``, its stdout going to ``out`` and its stderr to ``err``; its exit
-code (negative: the signal that killed it, as ``subprocess.Popen.returncode``) is written to ``rc`` when it ends.
-End of input: the children still running are killed and the zygote exits. Nothing here runs a torch op before
-forking (no thread pool to inherit).
+"rc": path}`` is answered with ``{"pid": pid}``. The child runs ``python *argv`` (a script, ``-c`` code or
+``-m`` module) as that command would, in the environment ``env``, its stdout going to ``out`` and its stderr to
+``err``; its exit code (negative: the signal that killed it, as ``subprocess.Popen.returncode``) is written to
+``rc`` when it ends. End of input: the children still running are killed and the zygote exits. Nothing here runs
+a torch op before forking (no thread pool to inherit).
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def _run_child(request: dict) -> int:
         torch.set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
     argv = request["argv"]
     try:
-        if argv[0] == "-c":  # python -c code args
+        if argv[0] == "-m":  # python -m module args: the working directory first on sys.path
+            sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":  # python -c code args
             sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
+
+import ranks
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 PIPELINES = sorted(p.name for p in CONFIGS.glob("*.yaml") if "pipeline" in p.name)
@@ -21,9 +22,9 @@ SHORT = {
 
 
 def memkit(*args: str, cwd: Path | None = None, timeout: int = 280) -> subprocess.CompletedProcess:
-    """``memkit <args>`` in a fresh interpreter."""
-    return subprocess.run([sys.executable, "-m", "lightning_memkit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    """``memkit <args>`` in a process of its own (``python -m lightning_memkit.cli``, forked by the zygote of
+    ``ranks``; Lightning starts the other ranks as fresh interpreters)."""
+    return ranks.run(["-m", "lightning_memkit.cli", *args], timeout=timeout, cwd=cwd)
 
 
 def short_args(subcommand: str, config: str, root: Path) -> list[str]:
