@@ -4,9 +4,9 @@ Each rank is ``python script *args`` with Lightning's environment variables (``L
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and this checkout first on ``PYTHONPATH``; :func:`wait` kills
 every rank and fails the test if they take longer than the budget (a hang), and returns each exit code and output.
 
-A rank is forked by ``zygote.py``, one per test process, which has imported torch, Lightning and the package once:
-a process of its own that starts in a fraction of a second. ``MEMKIT_TEST_ZYGOTE=0`` starts each rank as a fresh
-interpreter instead.
+A rank is forked by ``zygote.py``, one per test process, which has imported torch, Lightning and transformers once:
+a process of its own that starts in a fraction of a second. ``MEMKIT_TEST_ZYGOTE=0`` (the default off Linux)
+starts each rank as a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def start(argv: list, env: dict[str, str], stderr_to_stdout: bool = True, cwd: P
     """``python *argv`` (a script and its arguments; ``-c``, code, arguments; or ``-m``, module, arguments) in the
     environment ``env`` (exactly), in ``cwd`` (default: this process's); with ``stderr_to_stdout``, its stderr goes
     with its stdout."""
-    if os.environ.get("MEMKIT_TEST_ZYGOTE", "1") == "0":
+    if os.environ.get("MEMKIT_TEST_ZYGOTE", "1" if sys.platform == "linux" else "0") == "0":
         return subprocess.Popen([sys.executable, *map(str, argv)], env=env, stdout=subprocess.PIPE, text=True,
                                 stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE, cwd=cwd)
     proc = _zygote()
