@@ -31,7 +31,9 @@ def session_records(request) -> list[dict] | None:
     wanted = [(ft.REPO / path).resolve() for path in ft.PATHS]
     if not all(any(root == path or root in path.parents for root in roots) for path in wanted):
         return None
-    return [r for r in ft.records_of(request.session.items) if ft.in_paths(r)]
+    records = [r for r in ft.records_of(request.session.items) if ft.in_paths(r)]
+    # in the order a collection of ft.PATHS gives (this session collected its folders in the filesystem's order)
+    return sorted(records, key=lambda r: next(i for i, path in enumerate(ft.PATHS) if ft.in_paths(r, [path])))
 
 
 def test_the_docs_table_is_rendered_from_the_collected_tests_and_the_stored_liger_list(request):
