@@ -3,11 +3,10 @@ four subcommands as ``memkit`` runs them, one start-up instead of four)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import ranks
 from shipped_configs import SHORT, SINGLE, check_output, short_args
 
 DRIVER = """
@@ -24,8 +23,7 @@ for args in {runs!r}:
 @pytest.mark.parametrize("config", SINGLE)
 def test_every_subcommand_runs_every_shipped_config(tmp_path: Path, config: str) -> None:
     runs = [short_args(subcommand, config, tmp_path) for subcommand in SHORT]
-    proc = subprocess.run([sys.executable, "-c", DRIVER.format(runs=runs)], capture_output=True, text=True,
-                          timeout=600)
+    proc = ranks.run(["-c", DRIVER.format(runs=runs)], timeout=600)  # a process of its own, from the zygote
     assert proc.returncode == 0, proc.stderr[-3000:]
     parts = proc.stdout.split("=== memkit ")[1:]
     assert [p.split("\n", 1)[0] for p in parts] == list(SHORT)
