@@ -307,10 +307,8 @@ def test_example_config_builds_through_lightning_cli(tmp_path):
 def test_example_config_trains_on_two_processes(tmp_path):
     """``memkit fit`` with the example config: 2 CPU processes, 40 steps, the training loss falls."""
     config = ROOT / "examples" / "configs" / "hf_llama_pipeline.yaml"
-    cmd = [sys.executable, "-m", "lightning_memkit.cli", "fit", "--config", str(config),
-           "--trainer.default_root_dir", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=110,
-                          env=dict(os.environ, PYTHONPATH=PYPATH))
+    cmd = ["-m", "lightning_memkit.cli", "fit", "--config", config, "--trainer.default_root_dir", tmp_path]
+    done = ranks.run(cmd, timeout=110, cwd=tmp_path)  # rank 0 from the zygote; Lightning starts rank 1 afresh
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     line = re.search(r"train loss: first (\S+) -> last (\S+) over 40 optimizer steps", done.stdout)
     first, last = map(float, line.groups())

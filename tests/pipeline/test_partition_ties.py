@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -84,9 +81,7 @@ def test_bad_ties_are_refused_naming_them(ties, error, match):
 def test_a_tied_v_on_one_process_measures_what_the_ties_predict(tmp_path):
     """DualPipeV on one gloo process, the toy LM's head tied to its 2048 x 32 embedding, AdamW: the prediction with
     ties is within 5% of LivePeak's steady-state step; without, it counts the embedding's 1 MB of state twice."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ranks.free_port()), PYTHONPATH=ranks.PYPATH)
-    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=110,
-                          env=env)
+    done = ranks.run([WORKER, tmp_path], timeout=110, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ranks.free_port()))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads((tmp_path / "tie_peak.json").read_text())
     assert abs(r["tied"] - r["measured"]) <= 0.05 * r["measured"], r

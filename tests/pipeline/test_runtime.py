@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -50,8 +49,7 @@ def launch(
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PG_TIMEOUT=str(pg_timeout), PYTHONPATH=PYPATH)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(tmp_path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(ranks.start([WORKER, scenario, tmp_path], env))
     t0 = time.monotonic()
     results = []
     order = [r for r in range(world) if r != stalled] + ([stalled] if stalled is not None else [])
