@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_memkit.demo.hf_models import TINY_HF_FAMILIES, tiny_hf_config
+from lightning_memkit.demo.hf_models import tiny_hf_config
 from lightning_memkit.estimate.compose import FIRST_DEPTHS, NotComposable, layer_signatures, truncated_config
 from lightning_memkit.estimate.fast_ops import FastOps
 from lightning_memkit.estimate.hf import (
@@ -78,20 +78,18 @@ def test_composed_equals_the_full_trace(features: str, tmp_path: Path) -> None:
     assert_same(estimate_from_hf_config(path, compose=True, **kw), full_trace(path, **kw))
 
 
-#: every family with every layer-level feature at once (its layer kinds, and QLoRA's first layer a kind of its own);
 #: every feature alone, and none, on a dense and an MoE family (the features' composition does not depend on the
-#: family beyond its layer kinds); Llama's DEFAULT_FEATURES run in the default suite, not twice
-SLOW_CASES = sorted({*((f, "qlora+checkpointing+fused") for f in TINY_HF_FAMILIES),
-                     *((f, c) for f in ("llama", "qwen3_moe") for c in FEATURES)}
+#: family beyond its layer kinds); Llama's DEFAULT_FEATURES run in the default suite, not twice. Every family with
+#: every layer-level feature at once: test_compose_families.py (a module of its own, so that a second test process
+#: can take it)
+SLOW_CASES = sorted({(f, c) for f in ("llama", "qwen3_moe") for c in FEATURES}
                     - {("llama", c) for c in DEFAULT_FEATURES})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, features", SLOW_CASES)
-def test_composed_equals_the_full_trace_for_every_family_and_feature(family: str, features: str,
-                                                                      tmp_path: Path) -> None:
-    # Gemma3's alternating sliding and full layers, each with its own rotary table, need samples up to 8 layers
-    path = config_file(tmp_path, family, layers=16 if family == "gemma3_text" else LAYERS)
+def test_composed_equals_the_full_trace_for_every_feature(family: str, features: str, tmp_path: Path) -> None:
+    path = config_file(tmp_path, family)
     kw = {**TOKENS, "precision": "bf16-true", **FEATURES[features]}
     assert_same(estimate_from_hf_config(path, compose=True, **kw), full_trace(path, **kw))
 
