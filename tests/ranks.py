@@ -11,8 +11,10 @@ starts each rank as a fresh interpreter instead.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -79,6 +81,7 @@ def _zygote() -> subprocess.Popen:
         ready = proc.stdout.readline()
         assert ready.startswith('{"ready"'), f"the zygote did not start: {ready!r}"
         _ZYGOTE.update(proc=proc, dir=tempfile.mkdtemp(prefix="memkit-ranks-"), n=0)
+        atexit.register(shutil.rmtree, _ZYGOTE["dir"], ignore_errors=True)  # the outputs and exit codes
     return proc
 
 
