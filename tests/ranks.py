@@ -69,44 +69,66 @@ class Forked:
                 pass
 
 
-_ZYGOTE: dict[str, object] = {}
+class Zygote:
+    """A ``zygote.py`` process importing ``preload`` (default: its own list, torch, Lightning and transformers), started
+    on first use and ended when this process exits (or at :meth:`close`); :meth:`start` forks a process from it."""
+
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+        self.preload, self.proc, self.dir, self.n = preload, None, "", 0
+
+    def _started(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), *self.preload],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         env=dict(os.environ, PYTHONPATH=PYPATH), text=True)
+            ready = self.proc.stdout.readline()
+            assert ready.startswith('{"ready"'), f"the zygote did not start: {ready!r}"
+            self.dir = tempfile.mkdtemp(prefix="memkit-ranks-")
+            atexit.register(shutil.rmtree, self.dir, ignore_errors=True)  # the outputs and exit codes
+        return self.proc
+
+    def start(self, argv: list, env: dict[str, str], stderr_to_stdout: bool = True, cwd: Path | None = None,
+              ) -> Forked | subprocess.Popen:
+        """``python *argv`` (a script and its arguments; ``-c``, code, arguments; or ``-m``, module, arguments) in the
+        environment ``env`` (exactly), in ``cwd`` (default: this process's); with ``stderr_to_stdout``, its stderr
+        goes with its stdout. ``MEMKIT_TEST_ZYGOTE=0`` (the default off Linux): a fresh interpreter instead."""
+        if os.environ.get("MEMKIT_TEST_ZYGOTE", "1" if sys.platform == "linux" else "0") == "0":
+            return subprocess.Popen([sys.executable, *map(str, argv)], env=env, stdout=subprocess.PIPE, text=True,
+                                    stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE, cwd=cwd)
+        proc = self._started()
+        self.n += 1
+        base = os.path.join(self.dir, str(self.n))
+        request = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd or os.getcwd()), "out": base + ".out",
+                   "err": base + (".out" if stderr_to_stdout else ".err"), "rc": base + ".rc"}
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        return Forked(json.loads(proc.stdout.readline())["pid"], request["out"], request["err"], request["rc"])
+
+    def close(self) -> None:
+        """End the zygote (the processes it forked that still run are killed)."""
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
+            self.proc.stdout.close()
+            self.proc = None
 
 
-def _zygote() -> subprocess.Popen:
-    """This test process's zygote, started on first use (it ends when this process closes its input)."""
-    proc = _ZYGOTE.get("proc")
-    if proc is None or proc.poll() is not None:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py"))], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=PYPATH), text=True)
-        ready = proc.stdout.readline()
-        assert ready.startswith('{"ready"'), f"the zygote did not start: {ready!r}"
-        _ZYGOTE.update(proc=proc, dir=tempfile.mkdtemp(prefix="memkit-ranks-"), n=0)
-        atexit.register(shutil.rmtree, _ZYGOTE["dir"], ignore_errors=True)  # the outputs and exit codes
-    return proc
+_DEFAULT = Zygote()
 
 
 def start(argv: list, env: dict[str, str], stderr_to_stdout: bool = True, cwd: Path | None = None,
           ) -> Forked | subprocess.Popen:
-    """``python *argv`` (a script and its arguments; ``-c``, code, arguments; or ``-m``, module, arguments) in the
-    environment ``env`` (exactly), in ``cwd`` (default: this process's); with ``stderr_to_stdout``, its stderr goes
-    with its stdout."""
-    if os.environ.get("MEMKIT_TEST_ZYGOTE", "1" if sys.platform == "linux" else "0") == "0":
-        return subprocess.Popen([sys.executable, *map(str, argv)], env=env, stdout=subprocess.PIPE, text=True,
-                                stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE, cwd=cwd)
-    proc = _zygote()
-    _ZYGOTE["n"] += 1
-    base = os.path.join(_ZYGOTE["dir"], str(_ZYGOTE["n"]))
-    request = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd or os.getcwd()), "out": base + ".out",
-               "err": base + (".out" if stderr_to_stdout else ".err"), "rc": base + ".rc"}
-    proc.stdin.write(json.dumps(request) + "\n")
-    proc.stdin.flush()
-    return Forked(json.loads(proc.stdout.readline())["pid"], request["out"], request["err"], request["rc"])
+    """``python *argv`` forked by this test process's zygote (see :meth:`Zygote.start`)."""
+    return _DEFAULT.start(argv, env, stderr_to_stdout, cwd)
 
 
-def run(argv: list, timeout: float, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
-    """``python *argv`` to its end in ``cwd``, with this checkout first on ``PYTHONPATH`` and ``env`` added (as
-    ``subprocess.run(..., capture_output=True, text=True)``); fails the test after ``timeout`` seconds."""
-    proc = start(argv, dict(os.environ, PYTHONPATH=PYPATH, **env), stderr_to_stdout=False, cwd=cwd)
+def run(argv: list, timeout: float, cwd: Path | None = None, drop: tuple[str, ...] = (), zygote: Zygote | None = None,
+        **env: str) -> subprocess.CompletedProcess:
+    """``python *argv`` to its end in ``cwd``, with this checkout first on ``PYTHONPATH``, the variables ``drop`` names
+    removed and ``env`` added (as ``subprocess.run(..., capture_output=True, text=True)``), forked by ``zygote``
+    (default: this process's); fails the test after ``timeout`` seconds."""
+    environ = {k: v for k, v in os.environ.items() if k not in drop}
+    proc = (zygote or _DEFAULT).start(argv, dict(environ, PYTHONPATH=PYPATH, **env), stderr_to_stdout=False, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -381,13 +381,28 @@ def traced(trace: Callable[[Any], StepTrace], cuts: dict[int, Any]) -> dict[int,
         return {d: trace(cut) for d, cut in cuts.items()}
     import gc
     import multiprocessing
-    import multiprocessing.connection
     import sys
 
     context = multiprocessing.get_context("fork")
     sys.stdout.flush()
     sys.stderr.flush()
-    gc.freeze()  # the children's collector leaves the objects they inherit alone (no copy-on-write of their pages)
+    # the children's collector leaves the objects they inherit alone (no copy-on-write of their pages); where the
+    # caller froze objects already, their freeze is left as it is (unfreezing would undo it)
+    own_freeze = gc.get_freeze_count() == 0
+    if own_freeze:
+        gc.freeze()
+    try:
+        return _run_forked(context, trace, cuts, n)
+    finally:
+        if own_freeze:
+            gc.unfreeze()
+
+
+def _run_forked(context: Any, trace: Callable[[Any], StepTrace], cuts: dict[int, Any], n: int,
+                ) -> dict[int, StepTrace]:
+    """:func:`traced`'s processes: ``n`` at a time, the largest cut first; a process's error is raised here."""
+    import multiprocessing.connection
+
     out: dict[int, StepTrace] = {}
     pending = sorted(cuts, reverse=True)  # the largest first: the others fill in around it
     running: list[tuple[int, Any, Any]] = []
@@ -411,10 +426,8 @@ def traced(trace: Callable[[Any], StepTrace], cuts: dict[int, Any]) -> dict[int,
         if status == "error":
             for _, other, _ in running:
                 other.kill()
-            gc.unfreeze()
             raise value
         out[d] = value
-    gc.unfreeze()
     return out
 
 

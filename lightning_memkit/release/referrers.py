@@ -324,7 +324,8 @@ def find_referrers(
     (``Adam.state[Parameter(4096, 4096)]["exp_avg"]``) and the bytes. A storage that no Python object
     reaches (only the autograd graph or C++ holds it) is reported with holder ``"(no Python holder)"``.
     Objects in ``ignore`` (and this function's own frames) are not counted as holders. At most
-    ``max_holders`` rows are reported per target.
+    ``max_holders`` rows are reported per target. Objects frozen by ``gc.freeze()`` are not searched
+    (``gc.get_referrers`` skips them): a holder made before the freeze is missing from the report.
 
     Example::
 

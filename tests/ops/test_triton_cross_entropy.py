@@ -27,7 +27,9 @@ def test_triton_kernels_in_a_subprocess():
     if INTERPRETING:
         pytest.skip("already inside the interpreter run")
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # a fresh interpreter (triton.language decorates its own functions at import: a process forked from one that
+    # imported Lightning would hold compiled ones) that imports no library beyond what these tests do
+    env = dict(os.environ, TRITON_INTERPRET="1", MEMKIT_TEST_GC_FREEZE="0")
     files = [str(Path(__file__)), str(Path(__file__).with_name("test_padded_index_gather.py"))]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", *files]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -94,6 +94,19 @@ def test_find_referrers_names_attribute_path_and_bytes():
     assert 'Holder.cache["kv"][0]' in str(report) and "1.00 MiB" in str(report)
 
 
+def test_find_referrers_does_not_search_objects_frozen_by_gc_freeze():
+    """As documented: a holder frozen by ``gc.freeze()`` is missing from the report; unfrozen, it is named."""
+    h = Holder()
+    h.cache = {"kv": [torch.zeros(1 << 18)]}
+    gc.freeze()  # h, its dict and its list among the frozen objects
+    assert [r.holder for r in find_referrers(h.cache["kv"][0])] == ["(no Python holder)"]
+    gc.unfreeze()
+    try:
+        assert [r.path for r in find_referrers(h.cache["kv"][0])] == ['Holder.cache["kv"][0]']
+    finally:
+        gc.freeze()  # as conftest.py left this test process
+
+
 def test_find_referrers_optimizer_state_and_frame_local():
     params, opt = _adam(n=1 << 16)
     local_ref = opt.state[params[0]]["exp_avg_sq"]

@@ -33,7 +33,6 @@ from lightning_memkit.pipeline.checkpoint import (
 from lightning_memkit.pipeline.writer_lock import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
-PYPATH = ranks.PYPATH
 WORKER = Path(__file__).with_name("_pipeline_crash_worker.py")
 CRASH = 77  # exit code of a rank killed on purpose (as in the worker)
 PHASES = ("before_shard", "mid_shard", "after_shards", "mid_manifest")
@@ -349,10 +348,7 @@ def test_rank_killed_while_overwriting_last_ckpt_resumes_from_the_previous_save(
 
 def test_single_process_saves_resumes_and_merges(tmp_path):
     """Old code: wrote no manifest (the check fails); also pins that one process needs no group for barrier/gather."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
-    proc = ranks.start([WORKER, tmp_path, "single"], dict(env, PYTHONPATH=PYPATH), stderr_to_stdout=False)
-    stdout, stderr = proc.communicate(timeout=120)
-    done = subprocess.CompletedProcess(proc.pid, proc.returncode, stdout, stderr)
+    done = ranks.run([WORKER, tmp_path, "single"], timeout=120, drop=("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads((tmp_path / "single.json").read_text())
     assert r["resumed"] == r["full"][4:] and len(r["full"]) == 6  # epoch 3 from the epoch-2 save, bit for bit
