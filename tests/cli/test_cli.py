@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from lightning.pytorch.cli import LightningCLI
 
 from lightning_memkit.cli.main import main
 from lightning_memkit.config.errors import ConfigError
@@ -169,6 +170,21 @@ def test_logger_false_twice_in_the_same_directory(tmp_path):
     assert (first.trainer.global_step, second.trainer.global_step) == (1, 2)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["trainer"]["max_steps"] == 2  # the second run's configuration
+
+
+def test_only_the_chosen_subcommand_gets_a_parser(tmp_path, monkeypatch):
+    """``fit ...`` builds the parser of ``fit`` alone (the others' would double the start-up); arguments that name
+    no subcommand, or a run without subcommands, keep Lightning's whole list."""
+    every = LightningCLI.subcommands()
+    cli = MemkitCLI(args=eval_args("validate", tmp_path))
+    assert cli.subcommand == "validate" and cli.subcommands() == {"validate": every["validate"]}
+    monkeypatch.setattr(sys, "argv", ["memkit", *eval_args("test", tmp_path)])
+    assert MemkitCLI(args=None).subcommands() == {"test": every["test"]}  # the command line's
+    bare = MemkitCLI(args=["--config", str(CONFIG), *TINY, "--trainer.logger", "false"], run=False)
+    assert bare.subcommands() == every
+    choices = r"invalid choice: 'fitt' \(choose from 'fit', 'validate', 'test', 'predict'\)"
+    with pytest.raises(ConfigError, match=choices):  # not a subcommand: every parser, as Lightning's
+        MemkitCLI(args=["fitt", "--config", str(CONFIG)])
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test"])
