@@ -175,7 +175,8 @@ class MemkitCLI(LightningCLI):
     Configuration mistakes raise :class:`ConfigError` (a ``ValueError``) with a one-line message, from the
     parser (unknown key, wrong type, bad ``class_path``) or from a constructor. The ``config.yaml`` that
     Lightning saves next to the logs is overwritten by the next run in the same directory. ``predict``
-    prints the kind and shape of what it predicted.
+    prints the kind and shape of what it predicted. Where the arguments start with a subcommand, only that
+    subcommand's parser is built (:meth:`subcommands`).
 
     Example::
 
