@@ -1,5 +1,7 @@
 import gc
 import os
+import shutil
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ RUN_SLOW = os.environ.get("MEMKIT_RUN_SLOW", "") == "1"
 #: frozen out of the garbage collector's sight before any test module is, see pytest_configure
 FROZEN_LIBRARIES = ("lightning.pytorch", "transformers", "peft", "bitsandbytes")
 _FROZE = pytest.StashKey[bool]()
+_SHARED_ZYGOTE = pytest.StashKey[tuple]()
 
 
 def pytest_configure(config):
@@ -28,7 +31,8 @@ def pytest_configure(config):
     and of the tests is made later and is searched by ``gc.get_referrers`` as before. ``MEMKIT_TEST_GC_FREEZE=0``
     leaves the collector alone (a test's own pytest run of a few modules, in a process that froze them already)."""
     if getattr(config, "workerinput", None) is None and config.getoption("dist", "no") != "no":
-        return  # the xdist controller: it runs no test
+        _serve_the_shared_zygote(config)  # the xdist controller: it runs no test
+        return
     if os.environ.get("MEMKIT_TEST_GC_FREEZE", "1") == "0":
         return
     import contextlib
@@ -46,9 +50,28 @@ def pytest_configure(config):
     config.stash[_FROZE] = True
 
 
+def _serve_the_shared_zygote(config) -> None:
+    """One zygote (``ranks.py``) for every test process of an xdist run instead of one each (its imports take about
+    6 s of CPU): started here, before the test processes, which find its socket in their environment."""
+    if os.environ.get("MEMKIT_TEST_ZYGOTE", "1" if sys.platform == "linux" else "0") == "0":
+        return
+    import tempfile
+    from pathlib import Path
+
+    import ranks
+
+    folder = Path(tempfile.mkdtemp(prefix="memkit-zygote-"))
+    config.stash[_SHARED_ZYGOTE] = (ranks.serve_shared(folder), folder)
+
+
 def pytest_unconfigure(config):
     if config.stash.get(_FROZE, False):
         gc.unfreeze()  # the interpreter's shutdown collects everything again, as without the freeze
+    zygote, folder = config.stash.get(_SHARED_ZYGOTE, (None, None))
+    if zygote is not None:
+        zygote.stdin.close()  # its end of input: it kills what still runs and exits
+        zygote.wait(timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_ignore_collect(collection_path):

@@ -4,9 +4,10 @@ Each rank is ``python script *args`` with Lightning's environment variables (``L
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and this checkout first on ``PYTHONPATH``; :func:`wait` kills
 every rank and fails the test if they take longer than the budget (a hang), and returns each exit code and output.
 
-A rank is forked by ``zygote.py``, one per test process, which has imported torch, Lightning and transformers once:
-a process of its own that starts in a fraction of a second. ``MEMKIT_TEST_ZYGOTE=0`` (the default off Linux)
-starts each rank as a fresh interpreter instead.
+A rank is forked by ``zygote.py``, which has imported torch, Lightning and transformers once: a process of its own
+that starts in a fraction of a second. One zygote serves every test process of an xdist run (``conftest.py`` starts
+it in the controller, :func:`serve_shared`); a test process of a run without xdist starts its own.
+``MEMKIT_TEST_ZYGOTE=0`` (the default off Linux) starts each rank as a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,23 +73,38 @@ class Forked:
                 pass
 
 
+SHARED = "MEMKIT_TEST_ZYGOTE_SOCKET"  # set by conftest.py in the xdist controller: the socket of the run's zygote
+ZYGOTE = Path(__file__).with_name("zygote.py")
+
+
 class Zygote:
     """A ``zygote.py`` process importing ``preload`` (default: its own list, torch, Lightning and transformers), started
-    on first use and ended when this process exits (or at :meth:`close`); :meth:`start` forks a process from it."""
+    on first use and ended when this process exits (or at :meth:`close`); :meth:`start` forks a process from it.
+    The default one is the run's shared zygote where the xdist controller started one (``$MEMKIT_TEST_ZYGOTE_SOCKET``):
+    this process connects to it instead."""
 
     def __init__(self, preload: tuple[str, ...] = ()) -> None:
-        self.preload, self.proc, self.dir, self.n = preload, None, "", 0
+        self.preload, self.proc, self.conn, self.dir, self.n = preload, None, None, "", 0
 
-    def _started(self) -> subprocess.Popen:
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), *self.preload],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         env=dict(os.environ, PYTHONPATH=PYPATH), text=True)
-            ready = self.proc.stdout.readline()
-            assert ready.startswith('{"ready"'), f"the zygote did not start: {ready!r}"
+    def _channel(self) -> tuple[Any, Any]:
+        """Where requests go and answers come from (text streams): this process's connection to the shared zygote,
+        or a zygote of its own, started now if need be."""
+        if not self.dir:
             self.dir = tempfile.mkdtemp(prefix="memkit-ranks-")
             atexit.register(shutil.rmtree, self.dir, ignore_errors=True)  # the outputs and exit codes
-        return self.proc
+        shared = os.environ.get(SHARED) if not self.preload else None
+        if shared:
+            if self.conn is None:
+                self.conn = socket.socket(socket.AF_UNIX)
+                self.conn.connect(shared)  # bound before the zygote's imports: it answers once they are done
+                self._io = self.conn.makefile("rw", encoding="utf-8")
+            return self._io, self._io
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, str(ZYGOTE), *self.preload], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=PYPATH), text=True)
+            ready = self.proc.stdout.readline()
+            assert ready.startswith('{"ready"'), f"the zygote did not start: {ready!r}"
+        return self.proc.stdin, self.proc.stdout
 
     def start(self, argv: list, env: dict[str, str], stderr_to_stdout: bool = True, cwd: Path | None = None,
               ) -> Forked | subprocess.Popen:
@@ -95,22 +114,42 @@ class Zygote:
         if os.environ.get("MEMKIT_TEST_ZYGOTE", "1" if sys.platform == "linux" else "0") == "0":
             return subprocess.Popen([sys.executable, *map(str, argv)], env=env, stdout=subprocess.PIPE, text=True,
                                     stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE, cwd=cwd)
-        proc = self._started()
+        requests, answers = self._channel()
         self.n += 1
         base = os.path.join(self.dir, str(self.n))
         request = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd or os.getcwd()), "out": base + ".out",
                    "err": base + (".out" if stderr_to_stdout else ".err"), "rc": base + ".rc"}
-        proc.stdin.write(json.dumps(request) + "\n")
-        proc.stdin.flush()
-        return Forked(json.loads(proc.stdout.readline())["pid"], request["out"], request["err"], request["rc"])
+        requests.write(json.dumps(request) + "\n")
+        requests.flush()
+        answer = answers.readline()
+        assert answer.startswith('{"pid"'), f"the zygote did not answer: {answer!r}"
+        return Forked(json.loads(answer)["pid"], request["out"], request["err"], request["rc"])
 
     def close(self) -> None:
-        """End the zygote (the processes it forked that still run are killed)."""
+        """End the zygote (the processes it forked that still run are killed); from a shared one, disconnect."""
+        if self.conn is not None:
+            self._io.close()
+            self.conn.close()
+            self.conn = None
         if self.proc is not None:
             self.proc.stdin.close()
             self.proc.wait()
             self.proc.stdout.close()
             self.proc = None
+
+
+def serve_shared(folder: Path, preload: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start the zygote that every test process of this run shares (its socket in ``folder``, named in
+    ``$MEMKIT_TEST_ZYGOTE_SOCKET`` for the processes started from here on); it ends when its stdin is closed."""
+    path = folder / "zygote.sock"
+    proc = subprocess.Popen([sys.executable, str(ZYGOTE), "--socket", str(path), *preload], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=PYPATH))
+    end = time.monotonic() + 30
+    while not path.exists():  # bound first thing: a test process connecting later finds it
+        assert proc.poll() is None and time.monotonic() < end, "the shared zygote did not start"
+        time.sleep(0.01)
+    os.environ[SHARED] = str(path)
+    return proc
 
 
 _DEFAULT = Zygote()
@@ -120,6 +159,35 @@ def start(argv: list, env: dict[str, str], stderr_to_stdout: bool = True, cwd: P
           ) -> Forked | subprocess.Popen:
     """``python *argv`` forked by this test process's zygote (see :meth:`Zygote.start`)."""
     return _DEFAULT.start(argv, env, stderr_to_stdout, cwd)
+
+
+def in_fork(fn: Callable[[], None], timeout: float = 120) -> None:
+    """Call ``fn`` in a fork of this test process and fail the test with its traceback if it raises: for a test that
+    changes what no test may change for the others (the garbage collector's frozen objects, say)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        os.close(read)
+        code = 0
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            os.write(write, traceback.format_exc().encode())
+            code = 1
+        os._exit(code)
+    os.close(write)
+    end = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked call did not finish in {timeout:.0f} s")
+        time.sleep(0.01)
+    with os.fdopen(read, "rb") as f:
+        report = f.read().decode()
+    code = os.waitstatus_to_exitcode(done[1])
+    if report or code:
+        pytest.fail(f"in the forked process (exit code {code}):\n{report}", pytrace=False)
 
 
 def run(argv: list, timeout: float, cwd: Path | None = None, drop: tuple[str, ...] = (), zygote: Zygote | None = None,

@@ -1,12 +1,15 @@
 """A process that imports torch, Lightning and transformers once, then forks a child per script to run: the ranks of
 the multi-process tests start in a fraction of a second instead of importing all of it again (see ``ranks.py``).
 ``python zygote.py module ...`` imports those modules instead (the import checks: torch alone).
+``python zygote.py --socket PATH [module ...]`` serves every test process that connects to the Unix socket
+``PATH`` (the test processes of one pytest-xdist run share one zygote, see ``conftest.py``) until its stdin ends.
 
 Protocol, one JSON line each way: a request ``{"argv": [...], "env": {...}, "cwd": ..., "out": path, "err": path,
 "rc": path}`` is answered with ``{"pid": pid}``. The child runs ``python *argv`` (a script, ``-c`` code or
 ``-m`` module) as that command would, in the environment ``env``, its stdout going to ``out`` and its stderr to
 ``err``; its exit code (negative: the signal that killed it, as ``subprocess.Popen.returncode``) is written to
-``rc`` when it ends. End of input: the children still running are killed and the zygote exits. Nothing here runs
+``rc`` when it ends. End of input: the children still running are killed and the zygote exits; a test process
+that disconnects from a shared zygote has its children still running killed. Nothing here runs
 a torch op before forking (no thread pool to inherit). What the imports made is frozen out of the garbage
 collector's sight (``gc.freeze``): a child's full collections walk its own objects only, and leave the inherited
 pages unwritten.
@@ -21,10 +24,12 @@ import os
 import runpy
 import select
 import signal
+import socket
 import sys
 import threading
 import traceback
 import types
+from collections.abc import Callable
 
 #: third-party packages only: a module of this package made per-process state at import (a run id, say) that
 #: forked children would share, where fresh interpreters each make their own
@@ -93,62 +98,112 @@ def _exit(code: int) -> None:
         os._exit(code)
 
 
-def _fork(request: dict) -> int:
-    """Fork a child for ``request``; in the child, run it and end as an interpreter does (see :func:`_exit`) with its
-    exit code."""
+def _fork(request: dict, sockets: list[socket.socket | None]) -> int:
+    """Fork a child for ``request``; in the child (``sockets``, the zygote's own, closed), run it and end as an
+    interpreter does (see :func:`_exit`) with its exit code."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            for sock in sockets:
+                if sock is not None:
+                    sock.close()
             code = _run_child(request)
         finally:
             _exit(code)
     return pid
 
 
-def _reap(children: dict[int, str]) -> None:
+def _reap(children: dict[int, tuple[str, int]]) -> None:
     """Write the exit code of every child that has ended."""
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             return
-        path = children.pop(pid, None)
+        path, _ = children.pop(pid, (None, None))
         if path is not None:
             with open(path + ".tmp", "w") as f:
                 f.write(str(os.waitstatus_to_exitcode(status)))
             os.replace(path + ".tmp", path)  # appears whole
 
 
+class _Client:
+    """A test process sending requests: ``write`` is where answers go (its socket, or stdout), ``conn`` its socket,
+    ``pending`` the start of a request not read whole yet."""
+
+    def __init__(self, write: int, conn: socket.socket | None = None) -> None:
+        self.write, self.conn, self.pending = write, conn, b""
+
+
+def _serve(listener: socket.socket | None) -> None:
+    """Answer requests until the end of input (stdin): from stdin, or from every test process that connects to
+    ``listener``; a child still running when its test process disconnects is killed."""
+    clients = {0: _Client(1)} if listener is None else {}
+    watched: list = [0] if listener is None else [0, listener]
+    children: dict[int, tuple[str, int]] = {}  # pid: (exit-code path, the client's read descriptor)
+    while True:
+        readable, _, _ = select.select([*watched, *(c for c in clients if c not in watched)], [], [], 0.05)
+        _reap(children)
+        for fd in readable:
+            if fd is listener:
+                conn, _ = listener.accept()
+                clients[conn.fileno()] = _Client(conn.fileno(), conn)
+                continue
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:  # a connection reset: as its end
+                chunk = b""
+            if not chunk and fd == 0:  # the end of input: every child killed, and the zygote ends
+                _kill(children, lambda owner: True)
+                gc.unfreeze()  # the interpreter's shutdown collects everything, as without the freeze
+                return
+            client = clients.get(fd)
+            if client is None:  # a shared zygote's input carries nothing but its end
+                continue
+            if not chunk:  # a test process is gone
+                _kill(children, lambda owner, fd=fd: owner == fd)
+                client.conn.close()
+                del clients[fd]
+                continue
+            *lines, client.pending = (client.pending + chunk).split(b"\n")
+            for line in lines:
+                request = json.loads(line)
+                pid = _fork(request, [c.conn for c in clients.values() if c.conn is not None] + [listener])
+                children[pid] = (request["rc"], fd)
+                try:
+                    os.write(client.write, (json.dumps({"pid": pid}) + "\n").encode())
+                except OSError:  # the test process went away while asking: its disconnection kills the child
+                    pass
+
+
+def _kill(children: dict[int, tuple[str, int]], whose: Callable[[int], bool]) -> None:
+    """Kill the running children whose client ``whose`` accepts (they are reaped later)."""
+    for pid, (_, owner) in children.items():
+        if whose(owner):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def main() -> None:
-    for name in sys.argv[1:] or PRELOAD:
+    args, listener = sys.argv[1:], None
+    if args[:1] == ["--socket"]:  # bound before the imports: a test process may connect at once (and wait)
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(args[1])
+        listener.listen(16)
+        args = args[2:]
+    for name in args or PRELOAD:
         try:
             __import__(name)
         except ImportError:  # an optional dependency: the child imports what it needs itself
             pass
     gc.collect()
     gc.freeze()
-    children: dict[int, str] = {}
     print(json.dumps({"ready": os.getpid()}), flush=True)
-    pending = b""
-    while True:
-        readable, _, _ = select.select([0], [], [], 0.05)
-        _reap(children)
-        if not readable:
-            continue
-        chunk = os.read(0, 1 << 16)
-        if not chunk:  # the test process is gone
-            for pid in children:
-                os.kill(pid, signal.SIGKILL)
-            gc.unfreeze()  # the interpreter's shutdown collects everything, as without the freeze
-            return
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            request = json.loads(line)
-            pid = _fork(request)
-            children[pid] = request["rc"]
-            print(json.dumps({"pid": pid}), flush=True)
+    _serve(listener)
 
 
 if __name__ == "__main__":

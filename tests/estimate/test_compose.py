@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import ranks
 import torch
 
 from lightning_memkit.demo.hf_models import tiny_hf_config
@@ -191,27 +192,33 @@ def test_not_composable_is_an_exception() -> None:
 
 
 @pytest.mark.parametrize("caller_froze", [False, True], ids=["no-freeze", "caller-froze"])
-def test_forked_traces_leave_the_callers_freeze_as_it_was(caller_froze: bool, monkeypatch) -> None:
+def test_forked_traces_leave_the_callers_freeze_as_it_was(caller_froze: bool) -> None:
     """The samples' processes are forked with the heap frozen; afterwards the collector's state is the caller's
-    again: nothing frozen stays frozen, and a caller's own ``gc.freeze`` is not undone."""
+    again: nothing frozen stays frozen, and a caller's own ``gc.freeze`` is not undone (nor added to). In a fork of
+    this test process, whose own freeze (conftest.py) no test may change."""
     import gc
     from types import SimpleNamespace
 
     from lightning_memkit.estimate import compose
 
-    monkeypatch.setattr(compose, "workers", lambda: 2)
-    gc.unfreeze()  # this test process froze its libraries (conftest.py): made again at the end
-    try:
+    def check() -> None:
+        compose.workers = lambda: 2
+        calls = []
+
+        def spy(name: str):
+            real = getattr(gc, name)
+            return lambda: (calls.append(name), real())[1]
+
+        gc.unfreeze()
         if caller_froze:
             gc.freeze()
-        before = gc.get_freeze_count()
-        assert (before > 0) == caller_froze
+        gc.freeze, gc.unfreeze = spy("freeze"), spy("unfreeze")
         out = compose.traced(lambda depth: SimpleNamespace(log=None, depth=depth, pid=os.getpid()), {1: 1, 3: 3})
         assert {d: s.depth for d, s in out.items()} == {1: 1, 3: 3}
         assert all(s.pid != os.getpid() for s in out.values())  # traced in processes of their own
-        assert gc.get_freeze_count() == before
         with pytest.raises(ZeroDivisionError):  # a process's error is raised here, the state restored as well
             compose.traced(lambda depth: SimpleNamespace(log=None, x=1 / (depth - 1)), {1: 1, 3: 3})
-        assert gc.get_freeze_count() == before
-    finally:
-        gc.freeze()
+        assert calls == ([] if caller_froze else ["freeze", "unfreeze"] * 2)
+        assert (gc.get_freeze_count() > 0) == caller_froze
+
+    ranks.in_fork(check)
