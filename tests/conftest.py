@@ -1,7 +1,6 @@
 import gc
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -53,13 +52,13 @@ def pytest_configure(config):
 def _serve_the_shared_zygote(config) -> None:
     """One zygote (``ranks.py``) for every test process of an xdist run instead of one each (its imports take about
     6 s of CPU): started here, before the test processes, which find its socket in their environment."""
-    if os.environ.get("MEMKIT_TEST_ZYGOTE", "1" if sys.platform == "linux" else "0") == "0":
-        return
     import tempfile
     from pathlib import Path
 
     import ranks
 
+    if not ranks.zygote_enabled():
+        return
     folder = Path(tempfile.mkdtemp(prefix="memkit-zygote-"))
     config.stash[_SHARED_ZYGOTE] = (ranks.serve_shared(folder), folder)
 

@@ -77,6 +77,12 @@ SHARED = "MEMKIT_TEST_ZYGOTE_SOCKET"  # set by conftest.py in the xdist controll
 ZYGOTE = Path(__file__).with_name("zygote.py")
 
 
+def zygote_enabled() -> bool:
+    """Whether processes are forked from a zygote: ``MEMKIT_TEST_ZYGOTE=0`` (the default off Linux) starts fresh
+    interpreters instead."""
+    return os.environ.get("MEMKIT_TEST_ZYGOTE", "1" if sys.platform == "linux" else "0") != "0"
+
+
 class Zygote:
     """A ``zygote.py`` process importing ``preload`` (default: its own list, torch, Lightning and transformers), started
     on first use and ended when this process exits (or at :meth:`close`); :meth:`start` forks a process from it.
@@ -84,7 +90,7 @@ class Zygote:
     this process connects to it instead."""
 
     def __init__(self, preload: tuple[str, ...] = ()) -> None:
-        self.preload, self.proc, self.conn, self.dir, self.n = preload, None, None, "", 0
+        self.preload, self.proc, self.conn, self.io, self.dir, self.n = preload, None, None, None, "", 0
 
     def _channel(self) -> tuple[Any, Any]:
         """Where requests go and answers come from (text streams): this process's connection to the shared zygote,
@@ -97,8 +103,8 @@ class Zygote:
             if self.conn is None:
                 self.conn = socket.socket(socket.AF_UNIX)
                 self.conn.connect(shared)  # bound before the zygote's imports: it answers once they are done
-                self._io = self.conn.makefile("rw", encoding="utf-8")
-            return self._io, self._io
+                self.io = self.conn.makefile("rw", encoding="utf-8")
+            return self.io, self.io
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, str(ZYGOTE), *self.preload], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=PYPATH), text=True)
@@ -111,7 +117,7 @@ class Zygote:
         """``python *argv`` (a script and its arguments; ``-c``, code, arguments; or ``-m``, module, arguments) in the
         environment ``env`` (exactly), in ``cwd`` (default: this process's); with ``stderr_to_stdout``, its stderr
         goes with its stdout. ``MEMKIT_TEST_ZYGOTE=0`` (the default off Linux): a fresh interpreter instead."""
-        if os.environ.get("MEMKIT_TEST_ZYGOTE", "1" if sys.platform == "linux" else "0") == "0":
+        if not zygote_enabled():
             return subprocess.Popen([sys.executable, *map(str, argv)], env=env, stdout=subprocess.PIPE, text=True,
                                     stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE, cwd=cwd)
         requests, answers = self._channel()
@@ -128,9 +134,9 @@ class Zygote:
     def close(self) -> None:
         """End the zygote (the processes it forked that still run are killed); from a shared one, disconnect."""
         if self.conn is not None:
-            self._io.close()
+            self.io.close()
             self.conn.close()
-            self.conn = None
+            self.conn = self.io = None
         if self.proc is not None:
             self.proc.stdin.close()
             self.proc.wait()

@@ -37,15 +37,15 @@ def forked(snippets: dict[str, str | tuple[str, str]], preload: tuple[str, ...],
     """Each snippet (code, or code and a warnings action, as ``-W`` would set) run as ``python -c`` would run it, in a
     process of its own forked from a zygote that has imported ``preload`` and nothing else (all at once with
     ``parallel``, else one after the other)."""
-    zygote = ranks.Zygote(preload)
+    zygote, env = ranks.Zygote(preload), dict(os.environ, PYTHONPATH=ranks.PYPATH)
     try:
         done = {}
         for name, code in snippets.items():
             code, warn = (code, "") if isinstance(code, str) else code
+            code = textwrap.dedent(code)
             if warn:
-                code = f"import warnings\nwarnings.simplefilter({warn!r})\n" + textwrap.dedent(code)
-            env = dict(os.environ, PYTHONPATH=ranks.PYPATH)
-            done[name] = zygote.start(["-c", textwrap.dedent(code)], env, stderr_to_stdout=False)
+                code = f"import warnings\nwarnings.simplefilter({warn!r})\n" + code
+            done[name] = zygote.start(["-c", code], env, stderr_to_stdout=False)
             if not parallel:
                 done[name].wait(timeout=240)
         return {name: subprocess.CompletedProcess(name, proc.wait(timeout=240), *proc.communicate())

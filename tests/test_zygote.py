@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import ranks
 
-pytestmark = pytest.mark.skipif(os.environ.get("MEMKIT_TEST_ZYGOTE", "1") == "0" or os.name != "posix",
-                                reason="fresh interpreters instead of a zygote")
+pytestmark = pytest.mark.skipif(not ranks.zygote_enabled(), reason="fresh interpreters instead of a zygote")
 
 EXITING = """
 import atexit, os, sys, threading, time

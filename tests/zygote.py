@@ -144,7 +144,7 @@ def _serve(listener: socket.socket | None) -> None:
     watched: list = [0] if listener is None else [0, listener]
     children: dict[int, tuple[str, int]] = {}  # pid: (exit-code path, the client's read descriptor)
     while True:
-        readable, _, _ = select.select([*watched, *(c for c in clients if c not in watched)], [], [], 0.05)
+        readable, _, _ = select.select([*watched, *(fd for fd in clients if fd != 0)], [], [], 0.05)
         _reap(children)
         for fd in readable:
             if fd is listener:
