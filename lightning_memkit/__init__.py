@@ -53,6 +53,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "ActivationCheckpointing",
         "AllocatorWarmupGuard",
         "MemoryBudget",
+        "MicroBatchSplit",
         "PeakMemoryMonitor",
         "PhaseMemoryRelease",
         "SavedTensorProfiler",

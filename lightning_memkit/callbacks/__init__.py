@@ -5,6 +5,7 @@ from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckp
 from lightning_memkit.callbacks.allocator_warmup_guard import AllocatorWarmupGuard
 from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
 from lightning_memkit.callbacks.memory_budget import MemoryBudget
+from lightning_memkit.callbacks.micro_batch_split import MicroBatchSplit
 from lightning_memkit.callbacks.mxfp4_loading import MXFP4CheckpointLoader
 from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
 from lightning_memkit.callbacks.phase_memory_release import PhaseMemoryRelease
@@ -17,6 +18,7 @@ __all__ = [
     "AllocatorWarmupGuard",
     "FusedLinearCrossEntropy",
     "MemoryBudget",
+    "MicroBatchSplit",
     "MXFP4CheckpointLoader",
     "PeakMemoryMonitor",
     "SavedTensorProfiler",

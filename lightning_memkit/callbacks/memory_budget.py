@@ -1,4 +1,5 @@
-"""Tell it the memory you have: plan the cheapest features that fit, apply them, and check the first steps.
+"""Tell it the memory you have: plan the cheapest features that fit the longest batch, apply them, watch every step,
+re-plan between steps and recover an out-of-memory step.
 
 Example::
 
@@ -18,7 +19,9 @@ YAML (LightningCLI; ``memkit fit --budget 24GiB`` adds it)::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,48 +29,89 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
-from lightning_memkit.common.validation import check_int
+from lightning_memkit.common.batches import (
+    batch_elements,
+    batch_rows,
+    batch_shape,
+    batch_tensors,
+    longest_batch,
+    rng_untouched,
+)
+from lightning_memkit.common.validation import check_int, check_number
 from lightning_memkit.measure.compiled import runs_compiled
 from lightning_memkit.measure.live_peak import LivePeak, unmeasured
 from lightning_memkit.measure.storage import format_bytes
 
-__all__ = ["MemoryBudget", "check_budget"]
+__all__ = ["MemoryBudget", "NoPlanFits", "Replan", "check_budget"]
 
 _OWNER = "MemoryBudget"
 DEFAULT_ALLOW = ("recompute", "fused_loss", "micro_batch")
-_BETWEEN_STEPS = ("recompute", "fused_loss")  # what a re-plan during the run may change
+_BETWEEN_STEPS = ("recompute", "fused_loss", "micro_batch")  # what a re-plan during the run may change
+_WARMUP_STEPS = 2  # optimizer steps measured on CPU whatever their batch (the optimizer state appears in the first)
+_FEATURES = ("ActivationCheckpointing", "FusedLinearCrossEntropy")  # the callbacks a plan adds or strengthens
+
+
+@dataclass
+class Replan:
+    """One re-plan during the run: its step, batch, why, the current plan's predicted and the measured bytes (``None``
+    after an out-of-memory error) and what changed."""
+
+    step: int
+    shape: str
+    why: str
+    predicted_bytes: int
+    measured_bytes: int | None
+    change: str
+
+    def __str__(self) -> str:
+        measured = "" if self.measured_bytes is None else (
+            f", measured {format_bytes(self.measured_bytes)} ({self.measured_bytes:,} B)")
+        return (f"step {self.step}, batch {self.shape}: {self.why}; predicted {format_bytes(self.predicted_bytes)} "
+                f"({self.predicted_bytes:,} B){measured}; {self.change}")
+
+
+class NoPlanFits(ValueError):
+    """No plan the budget may choose fits: raised at ``setup``, or by a re-plan during the run."""
 
 
 class MemoryBudget(Callback):
-    """Make a ``fit`` hold within ``budget``: plan at ``setup``, apply the plan, check the first steps.
+    """Make a ``fit`` hold within ``budget`` for the whole run: plan on the longest batch at ``setup``, apply the
+    plan, watch every step, re-plan between steps, recover out-of-memory steps.
 
-    At ``setup`` (before the model is converted, moved or trained) the module as built is estimated on fake
-    tensors (:class:`~lightning_memkit.estimate.module.ModuleRun`: nothing allocated) with the first training
-    batch of the data module (or the module's own ``train_dataloader``), with the precision, the precision plugin
-    and the ``ActivationCheckpointing`` / ``FusedLinearCrossEntropy`` callbacks the Trainer already has. If it
-    does not fit, :func:`~lightning_memkit.estimate.plans.search_plans` finds the plan with the least predicted
-    step time whose peak plus ``margin`` fits, changing only the ``allow``-ed axes:
+    **Plan.** At ``setup`` (before the model is converted, moved or trained) the module as built is estimated on
+    fake tensors (:class:`~lightning_memkit.estimate.module.ModuleRun`: nothing allocated) with the largest batch
+    the run will see: the one its data module (or the module) declares with a ``longest_batch()`` method; else the
+    ``batch_size`` longest samples of a sized training set, collated by the loader (a scan of at most
+    ``scan_seconds``; padded batches at their padded length); else the first batch (one line says so). Nothing
+    of this draws from the global random states. The precision, the precision plugin and the
+    ``ActivationCheckpointing`` / ``FusedLinearCrossEntropy`` / ``MicroBatchSplit`` callbacks the Trainer already
+    has are part of the run as given. If the run as given fits, nothing changes; else
+    :func:`~lightning_memkit.estimate.plans.search_plans` finds the plan with the least predicted step time whose
+    peak plus ``margin`` fits, changing only the ``allow``-ed axes:
 
     - ``"recompute"``: activation checkpointing of the repeated blocks, selective or full (an existing
       ``ActivationCheckpointing`` keeps its policy and is made stronger, never weaker);
     - ``"fused_loss"``: ``FusedLinearCrossEntropy`` (a transformers causal LM, peft-wrapped too);
-    - ``"micro_batch"``: the batch split into equal micro-batches with ``accumulate_grad_batches``, through
-      Lightning's ``batch_size`` attribute convention (the module's or the data module's ``batch_size``, as
-      ``BatchSizeFinder`` uses it); the same samples per optimizer step;
+    - ``"micro_batch"``: each batch split inside the training step into micro-batches of at most so many rows, their
+      gradients accumulated (:class:`~lightning_memkit.callbacks.MicroBatchSplit`): the loader, the validation
+      batches and ``accumulate_grad_batches`` are unchanged;
     - ``"precision"`` (opt-in: changes the numerics): ``bf16-true``.
 
-    These (without ``"precision"``) train the same model: the losses per optimizer step match the run without the
-    budget. One line per change and the predicted peak are printed. If nothing fits, ``setup`` raises
-    ``ValueError`` with the smallest predicted peak and its plan, before any step.
+    These (without ``"precision"``) train the same model on the same samples: the losses per optimizer step match
+    the run without the budget. One line per change and the predicted peak are printed. If nothing fits,
+    ``setup`` raises :class:`NoPlanFits` (a ``ValueError``) with the smallest predicted peak and its plan.
 
-    During the first ``check_steps`` optimizer steps the step peak is measured: on CPU with
-    :class:`~lightning_memkit.measure.live_peak.LivePeak` (the weights, gradients, optimizer state and batch
-    alive at the step's start included), on CUDA ``max_memory_reserved`` plus the CUDA context. Above the budget,
-    the plan is searched again once with the estimate raised by the measured excess, changing only what can
-    change between steps (recompute, fused loss); if that cannot fit, ``RuntimeError`` names the predicted and
-    measured bytes. :meth:`memory_effect` gives the plan, predicted and measured peaks for the report.
+    **Watch.** On CUDA every step's peak is read (``max_memory_reserved`` after a reset, plus the memory outside
+    torch's allocator at ``setup``); on CPU a step is measured with
+    :class:`~lightning_memkit.measure.live_peak.LivePeak` during the first two optimizer steps (while the optimizer
+    state appears) and whenever its batch is larger than every batch measured so far. A step above the predicted
+    peak by more than ``margin`` re-plans between steps, from the model's
+    current state, with the bytes the estimate missed counted, changing what can change between steps
+    (recompute, fused loss, micro-batches); if nothing fits, ``RuntimeError``. **Recover.** An out-of-memory
+    error in a step re-plans to a plan that predicts at most three quarters of the failing one and runs the
+    accumulation window again (:class:`~lightning_memkit.callbacks.MicroBatchSplit`), at most ``max_retries``
+    times a fit. :meth:`memory_effect` gives the plan, the peaks and every re-plan.
 
     Args:
         budget: bytes (int), a size (``"24GiB"``, ``"80GB"``) or a fraction in ``(0, 1]`` of the training
@@ -75,18 +119,21 @@ class MemoryBudget(Callback):
         margin: a plan fits when its predicted peak times ``1 + margin`` is within the budget (the estimator's
             accuracy goal, 5%).
         allow: the axes a plan may change (above).
-        check_steps: optimizer steps measured at the start of the run (0: none).
         max_estimates: the most estimates one search runs.
+        max_retries: out-of-memory steps recovered per fit (0: an out-of-memory error stops the run).
+        scan_seconds: the longest the scan of the training set's sample lengths may take.
 
     Attributes:
         budget_bytes: the budget in bytes (after ``setup``).
         plan: the chosen :class:`~lightning_memkit.estimate.plans.PlanResult` (``None`` before ``setup``).
+        planned_on: the batch the plan was made for, in words.
         changes: the changes applied, one line each.
-        measured_peak_bytes: the highest measured step peak of the checked steps (``None`` before).
+        replans: every :class:`Replan` during the run.
+        measured_peak_bytes: the highest measured step peak (``None`` before a step was measured).
     """
 
     def __init__(self, budget: int | str | float, margin: float = 0.05, allow: Sequence[str] = DEFAULT_ALLOW,
-                 check_steps: int = 2, max_estimates: int = 48) -> None:
+                 max_estimates: int = 48, max_retries: int = 2, scan_seconds: float = 30.0) -> None:
         from lightning_memkit.estimate.module import AXES
 
         self.budget = check_budget(budget)
@@ -99,91 +146,136 @@ class MemoryBudget(Callback):
             raise ValueError(f"{_OWNER}(allow=...): {', '.join(map(repr, bad))} not an axis; allowed: "
                              f"{', '.join(AXES)}")
         self.margin, self.allow = float(margin), tuple(dict.fromkeys(allow))
-        self.check_steps = check_int(check_steps, "check_steps", minimum=0, owner=_OWNER)
         self.max_estimates = check_int(max_estimates, "max_estimates", minimum=1, owner=_OWNER)
+        self.max_retries = check_int(max_retries, "max_retries", minimum=0, owner=_OWNER)
+        self.scan_seconds = check_number(scan_seconds, "scan_seconds", minimum=0, owner=_OWNER)
         self.budget_bytes: int | None = None
         self.plan: Any = None
+        self.planned_on = ""
         self.changes: list[str] = []
+        self.replans: list[Replan] = []
         self.measured_peak_bytes: int | None = None
-        self.replanned = False
-        self._deferred = False
-        self._samples: int | None = None
+        self._missed = 0  # bytes the estimate missed, as measured (counted by every later plan)
         self._context_bytes = 0
+        self._split: Any = None
         self._live: LivePeak | None = None
-        self._batches_left = 0
+        self._largest = -1  # elements of the largest batch measured (CPU)
+        self._watching = False
+        self._cpu_watch = True
+
+    @property
+    def replanned(self) -> bool:
+        """Whether the plan changed during the run."""
+        return bool(self.replans)
 
     # -- planning ----------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self.changes, self.plan, self.measured_peak_bytes, self.replanned = [], None, None, False
+        _refuse_strategy(trainer)
+        self.changes, self.plan, self.measured_peak_bytes, self.replans = [], None, None, []
+        self._missed, self._largest = 0, -1
         self.budget_bytes = self._resolve_budget(trainer)
-        batch, self._samples = self._first_batch(trainer, pl_module)
-        self._deferred = batch is None
+        self._split = self._own_split(trainer)
+        with rng_untouched():
+            batch = self._planning_batch(trainer, pl_module)
         if batch is not None:
             self._plan(trainer, pl_module, batch, self.allow, late=False)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._deferred:  # dataloaders passed to fit: the first batch exists only now, the loader is built
-            self._deferred = False
-            batch = next(iter(trainer.train_dataloader))
-            self._plan(trainer, pl_module, batch, [a for a in self.allow if a in _BETWEEN_STEPS], late=True)
-        self._batches_left = self.check_steps * max(int(trainer.accumulate_grad_batches), 1)
-        if self._batches_left and trainer.strategy.root_device.type == "cpu" and runs_compiled(pl_module):
-            self._batches_left = 0
-            rank_zero_warn(f"{_OWNER}: the model runs compiled code, whose CPU buffers LivePeak cannot see; the first "
-                           "steps are not checked (the plan stands on the estimate)")
+        if self.plan is None:  # dataloaders passed to fit: the loader exists only now
+            with rng_untouched():
+                batch = self._from_loader(trainer.train_dataloader)
+            with self._features_off(trainer, pl_module):
+                self._plan(trainer, pl_module, batch, [a for a in self.allow if a in _BETWEEN_STEPS], late=True)
+        self._cpu_watch = not runs_compiled(pl_module)
+        if not self._cpu_watch and trainer.strategy.root_device.type == "cpu":
+            rank_zero_warn(f"{_OWNER}: the model runs compiled code, whose CPU buffers LivePeak cannot see; steps are "
+                           "not measured (the plan stands on the estimate; out-of-memory steps are still recovered)")
 
-    def _plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str], late: bool,
-              excess: int = 0) -> None:
+    def _own_split(self, trainer: Trainer) -> Any:
+        """The Trainer's ``MicroBatchSplit`` (one is added if it has none), set to recover with this budget."""
+        from lightning_memkit.callbacks.micro_batch_split import MicroBatchSplit
+
+        split = _find(trainer, "MicroBatchSplit")
+        if split is None:
+            split = MicroBatchSplit()
+            trainer.callbacks.append(split)  # Lightning's hook loops reach callbacks appended during them
+        split.max_retries = self.max_retries
+        split.on_out_of_memory = lambda event: self._on_out_of_memory(trainer, event)
+        if self.max_retries and trainer.world_size > 1:
+            _say(f"{_OWNER}: out-of-memory steps are recovered on one process only; with {trainer.world_size} "
+                 "processes an out-of-memory error still stops the run")
+        return split
+
+    def _planning_batch(self, trainer: Trainer, pl_module: LightningModule) -> Any:
+        """The largest batch the run will see (module doc); ``None`` with loaders passed to ``fit`` (planned at
+        ``on_train_start`` then)."""
+        source = trainer.datamodule if trainer.datamodule is not None else pl_module
+        declared = getattr(source, "longest_batch", None)
+        if callable(declared):
+            self.planned_on = f"the batch {type(source).__name__}.longest_batch() declares"
+            _say(f"{_OWNER}: planning on {self.planned_on}")
+            return declared()
+        if not is_overridden("train_dataloader", source):
+            return None
+        return self._from_loader(source.train_dataloader())
+
+    def _from_loader(self, loader: Any) -> Any:
+        found = longest_batch(loader, self.scan_seconds, progress=lambda line: _say(f"{_OWNER}: {line}"))
+        if found is not None:
+            batch, self.planned_on = found
+        else:
+            batch = next(iter(loader))
+            self.planned_on = ("the first batch (the training set is not a sized, indexable data set loaded in batches "
+                               "of a fixed size, so its longest batch is not known); every step is watched")
+        _say(f"{_OWNER}: planning on {self.planned_on}")
+        return batch
+
+    def _plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str],
+              late: bool) -> None:
+        run = self._run(trainer, pl_module, batch, allow)
+        result = self._search(trainer, run, self.budget_bytes - self._context_bytes)
+        if not result.fitting:
+            raise self._nothing_fits(run, result.budget_bytes)
+        self.plan = result.base if result.base.fits else result.fitting[0]  # a run that fits as given: unchanged
+        self._apply(trainer, pl_module, run, late)
+        if trainer.is_global_zero:
+            _say(f"{_OWNER}: predicted peak {format_bytes(self.plan.peak_bytes)} within the budget "
+                 f"{format_bytes(self.budget_bytes)} ({self.margin:.0%} margin)")
+
+    def _search(self, trainer: Trainer, run: Any, budget: int) -> Any:
         from lightning_memkit.estimate.plans import search_plans
 
-        run = self._run(trainer, pl_module, batch, allow)
-        budget = self.budget_bytes - self._context_bytes - excess
         say = _say if trainer.is_global_zero else (lambda _line: None)
         with unmeasured():
-            result = search_plans(run, max(budget, 1), margin=self.margin, max_plans=1,
-                                  max_estimates=self.max_estimates, progress=lambda line: say(f"{_OWNER}: {line}"))
-        if not result.fitting:
-            raise self._nothing_fits(run, budget, excess)
-        self.plan = result.fitting[0]
-        self._apply(trainer, pl_module, run, late)
-        say(f"{_OWNER}: predicted peak {format_bytes(self.plan.peak_bytes)} within the budget "
-            f"{format_bytes(self.budget_bytes)} ({self.margin:.0%} margin)")
+            return search_plans(run, max(budget, 1), margin=self.margin, max_plans=1,
+                                max_estimates=self.max_estimates, progress=lambda line: say(f"{_OWNER}: {line}"))
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str]) -> Any:
         from lightning_memkit.estimate.module import ModuleRun
 
         ac, fused = _find(trainer, "ActivationCheckpointing"), _find(trainer, "FusedLinearCrossEntropy")
         checkpoint = None if ac is None else ("selective" if ac.selective else "full")
-        batch_size = _batch_size(pl_module) if "micro_batch" in allow else None
-        if batch_size and (self._samples is None or self._samples % batch_size):
-            # equal micro-batches keep the samples of every optimizer step only if no epoch ends in a partial batch
-            # (a last window of fewer micro-batches would step with other samples, or scaled otherwise)
-            _say(f"{_OWNER}: the micro-batch axis is off: the training set's size "
-                 f"({'unknown' if self._samples is None else self._samples}) is not a known multiple of the batch "
-                 f"size {batch_size}")
-            batch_size = None
+        if "micro_batch" in allow and (why := _no_split(pl_module, batch)):
+            _say(f"{_OWNER}: the micro-batch axis is off: {why}")
+            allow = [a for a in allow if a != "micro_batch"]
         plugin = trainer.precision_plugin if type(trainer.precision_plugin).__name__ == (
             "NoSaveBitsandbytesPrecision") else None
-        return ModuleRun(pl_module, batch, batch_size=batch_size, precision=_precision(trainer),
+        return ModuleRun(pl_module, batch, micro_batch=self._split.max_rows, precision=_precision(trainer),
                          checkpoint=checkpoint, policy="auto" if ac is None else ac.policy,
                          fused_loss=fused is not None, accumulate=int(trainer.accumulate_grad_batches),
-                         allow=[a for a in allow if a != "micro_batch" or batch_size], plugin=plugin,
-                         target=trainer.strategy.root_device.type, keep=(trainer,))
+                         allow=allow, plugin=plugin, target=trainer.strategy.root_device.type, keep=(trainer,))
 
-    def _nothing_fits(self, run: Any, budget: int, excess: int) -> ValueError:
-        from lightning_memkit.estimate.plans import PlanResult
-
+    def _nothing_fits(self, run: Any, budget: int) -> NoPlanFits:
         strongest = max(run.axes(), key=lambda p: p.strength())
         with unmeasured():
             peak = run.estimate(strongest).peak_bytes
-        best = PlanResult(strongest, peak, 0.0, False, run)
-        measured = f" after a measured excess of {format_bytes(excess)}" if excess else ""
-        return ValueError(
-            f"{_OWNER}(budget={self.budget!r}): no plan fits {format_bytes(budget)}{measured} with "
-            f"{self.margin:.0%} margin; the smallest predicted peak is {format_bytes(best.peak_bytes)} "
-            f"({best.peak_bytes:,} B) with {strongest.describe(run.base)} (allowed: {', '.join(run.allow) or 'none'}). "
+        missed = f" after {format_bytes(self._missed)} the estimate missed" if self._missed else ""
+        return NoPlanFits(
+            f"{_OWNER}(budget={self.budget!r}): no plan fits {format_bytes(budget)}{missed} with "
+            f"{self.margin:.0%} margin; the smallest predicted peak is {format_bytes(peak)} ({peak:,} B) with "
+            f"{strongest.describe(run.base)} (allowed: {', '.join(run.allow) or 'none'}). "
             "Raise the budget, allow more axes (e.g. 'precision'), or shorten the batch or the sequences")
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, run: Any, late: bool) -> None:
@@ -196,25 +288,24 @@ class MemoryBudget(Callback):
             trainer.strategy.precision_plugin = HalfPrecision(plan.precision)
             self._change(f"precision {plan.precision}")
         if plan.checkpoint != base.checkpoint:
-            added += self._recompute(trainer, pl_module, plan.checkpoint, late)
+            added += self._recompute(trainer, plan.checkpoint)
         if plan.fused_loss and not base.fused_loss:
             from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
 
             added.append(FusedLinearCrossEntropy())
             self._change("fused cross-entropy (FusedLinearCrossEntropy)")
         if plan.micro_batch != base.micro_batch:
-            steps = base.micro_batch // plan.micro_batch
-            lightning_setattr(pl_module, "batch_size", plan.micro_batch)
-            trainer.accumulate_grad_batches = int(trainer.accumulate_grad_batches) * steps
-            self._change(f"batch size {base.micro_batch} -> {plan.micro_batch}, accumulate_grad_batches "
-                         f"x{steps} = {trainer.accumulate_grad_batches} (the same samples per optimizer step)")
+            rows = run.batch_size
+            self._split.max_rows = plan.micro_batch if plan.micro_batch < rows else None
+            self._change(f"micro-batches of at most {plan.micro_batch} rows inside the step "
+                         f"({-(-rows // plan.micro_batch)} per batch of {rows} rows; the same samples per optimizer "
+                         "step) (MicroBatchSplit)")
         for callback in added:
             trainer.callbacks.append(callback)  # Lightning's hook loops reach callbacks appended during them
             if late:
                 callback.setup(trainer, pl_module, "fit")
-                callback.on_fit_start(trainer, pl_module)
 
-    def _recompute(self, trainer: Trainer, pl_module: LightningModule, mode: str | None, late: bool) -> list[Any]:
+    def _recompute(self, trainer: Trainer, mode: str | None) -> list[Any]:
         from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 
         ac = _find(trainer, "ActivationCheckpointing")
@@ -222,25 +313,83 @@ class MemoryBudget(Callback):
                      f"{'' if ac is None else ', its policy kept'})")
         if ac is None:
             return [ActivationCheckpointing(selective=mode == "selective")]
-        if late:
-            ac.teardown(trainer, pl_module, "fit")
         ac.selective = mode == "selective"
-        if late:
-            ac.on_fit_start(trainer, pl_module)
         return []
 
     def _change(self, line: str) -> None:
         self.changes.append(line)
         _say(f"{_OWNER}: {line}")
 
-    # -- the check during the run ------------------------------------------------------------------
+    # -- re-planning between steps -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _features_off(self, trainer: Trainer, pl_module: LightningModule) -> Iterator[None]:
+        """The module as built for the block (the features' wrappers and hooks off, to copy it on fake tensors),
+        then every feature on the Trainer applied again, as set now."""
+        features = [c for c in trainer.callbacks if type(c).__name__ in _FEATURES]
+        with self._split.suspended():
+            for callback in features:
+                callback.teardown(trainer, pl_module, "fit")
+            try:
+                yield
+            finally:
+                for callback in [c for c in trainer.callbacks if type(c).__name__ in _FEATURES]:
+                    callback.on_fit_start(trainer, pl_module)
+
+    def _replan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, measured: int | None,
+                why: str) -> str | None:
+        """Plan again on ``batch`` from the current plan (what can change between steps); ``measured``: the step's
+        measured peak (the bytes the estimate missed are counted from it), ``None`` after an out-of-memory error (a
+        plan predicting at most three quarters of the current one, the strongest if none does). Returns what
+        changed, or ``None`` when nothing stronger is left."""
+        allow = [a for a in self.allow if a in _BETWEEN_STEPS]
+        with self._features_off(trainer, pl_module), unmeasured():
+            run = self._run(trainer, pl_module, batch, allow)
+            now = run.estimate(run.base).peak_bytes
+            if measured is not None:
+                self._missed = max(measured - now, self._missed)
+                budget = self.budget_bytes - self._context_bytes - self._missed
+            else:
+                budget = min(self.budget_bytes - self._context_bytes - self._missed, int(now * 0.75))
+            result = self._search(trainer, run, budget)
+            chosen = result.fitting[0] if result.fitting else None
+            if chosen is None and measured is None:
+                chosen = self._strongest_below(run, now)
+            if chosen is None:
+                if measured is None:
+                    return None
+                raise self._nothing_fits(run, budget)
+            before = len(self.changes)
+            self.plan = chosen
+            self._apply(trainer, pl_module, run, late=True)
+        change = "; ".join(self.changes[before:]) or "the plan holds"
+        self.replans.append(Replan(int(trainer.global_step), batch_shape(batch), why, now, measured, change))
+        _say(f"{_OWNER}: re-planned: {self.replans[-1]}")
+        return change
+
+    def _strongest_below(self, run: Any, now: int) -> Any:
+        from lightning_memkit.estimate.plans import PlanResult
+
+        strongest = max(run.axes(), key=lambda p: p.strength())
+        if strongest == run.base:
+            return None
+        peak = run.estimate(strongest).peak_bytes
+        return PlanResult(strongest, peak, 0.0, False, run) if peak < now else None
+
+    def _on_out_of_memory(self, trainer: Trainer, event: Any) -> str | None:
+        pl_module = trainer.lightning_module
+        return self._replan(trainer, pl_module, event.batch, None, f"out of memory in the {event.where}")
+
+    # -- watching every step -----------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._batches_left <= 0:
-            return
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            self._watching = True
             return
+        size = batch_elements(batch)
+        if not self._cpu_watch or (size <= self._largest and trainer.global_step >= _WARMUP_STEPS):
+            return
+        self._largest, self._watching = max(size, self._largest), True
         if self._live is None:
             self._live = LivePeak().__enter__()
         self._live.track(_alive(pl_module, trainer, batch))
@@ -248,39 +397,30 @@ class MemoryBudget(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._batches_left <= 0:
+        if not self._watching:
             return
-        self._batches_left -= 1
+        self._watching = False
         device = trainer.strategy.root_device
         if device.type == "cuda":
             measured = torch.cuda.max_memory_reserved(device) + self._context_bytes
         else:
             measured = self._live.peak_bytes
+            self._close()
         self.measured_peak_bytes = max(self.measured_peak_bytes or 0, measured)
-        if self._batches_left == 0:
-            self._close()
-        if measured > self.budget_bytes:
-            self._over_budget(trainer, pl_module, batch, measured)
+        if measured > (self.plan.peak_bytes + self._missed) * (1 + self.margin) or measured > self.budget_bytes:
+            self._over(trainer, pl_module, batch, measured)
 
-    def _over_budget(self, trainer: Trainer, pl_module: LightningModule, batch: Any, measured: int) -> None:
+    def _over(self, trainer: Trainer, pl_module: LightningModule, batch: Any, measured: int) -> None:
         predicted = self.plan.peak_bytes
-        if self.replanned:
-            self._close()
-            raise RuntimeError(f"{_OWNER}: a step peaked at {format_bytes(measured)} ({measured:,} B), above the "
-                               f"budget {format_bytes(self.budget_bytes)}, after re-planning once (predicted "
-                               f"{format_bytes(predicted)}, {predicted:,} B); raise the budget or allow more axes")
-        self.replanned = True
-        _say(f"{_OWNER}: a step peaked at {format_bytes(measured)}, above the budget "
-             f"{format_bytes(self.budget_bytes)} (predicted {format_bytes(predicted)}): planning again")
+        why = (f"a step peaked at {format_bytes(measured)}, above the predicted {format_bytes(predicted)} by more "
+               f"than the {self.margin:.0%} margin" if measured <= self.budget_bytes else
+               f"a step peaked at {format_bytes(measured)}, above the budget {format_bytes(self.budget_bytes)}")
+        _say(f"{_OWNER}: {why}: planning again")
         try:
-            self._plan(trainer, pl_module, batch, [a for a in self.allow if a in _BETWEEN_STEPS], late=True,
-                       excess=max(measured - predicted, 0))
-        except (ValueError, TypeError) as err:
-            self._close()
-            raise RuntimeError(f"{_OWNER}: a step peaked at {format_bytes(measured)} ({measured:,} B), above the "
-                               f"budget {format_bytes(self.budget_bytes)} (predicted {format_bytes(predicted)}, "
-                               f"{predicted:,} B), and re-planning between steps cannot fit: {err}") from err
-        self._batches_left = max(self._batches_left, max(int(trainer.accumulate_grad_batches), 1))
+            self._replan(trainer, pl_module, batch, measured, why)
+        except NoPlanFits as err:
+            raise RuntimeError(f"{_OWNER}: {why} (batch {batch_shape(batch)}, {measured:,} B measured, "
+                               f"{predicted:,} B predicted), and re-planning between steps cannot fit: {err}") from err
 
     def _close(self) -> None:
         live, self._live = self._live, None
@@ -298,15 +438,17 @@ class MemoryBudget(Callback):
             _say(self.memory_effect())
 
     def memory_effect(self) -> str:
-        """One line: the budget, the plan, the predicted and measured peaks."""
+        """The budget, the batch planned on, the plan, the predicted and measured peaks, and every re-plan and
+        recovered out-of-memory step."""
         if self.plan is None:
             return f"{_OWNER}: no plan made (the fit did not reach setup)"
         measured = ("not measured" if self.measured_peak_bytes is None
                     else f"measured {format_bytes(self.measured_peak_bytes)} ({self.measured_peak_bytes:,} B)")
-        return (f"{_OWNER}: budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B); plan: "
-                f"{'; '.join(self.changes) or 'the run as given'}; predicted peak "
-                f"{format_bytes(self.plan.peak_bytes)} ({self.plan.peak_bytes:,} B), {measured}"
-                f"{' (re-planned once)' if self.replanned else ''}")
+        line = (f"{_OWNER}: budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B); planned on "
+                f"{self.planned_on}; plan: {'; '.join(self.changes) or 'the run as given'}; predicted peak "
+                f"{format_bytes(self.plan.peak_bytes)} ({self.plan.peak_bytes:,} B), {measured}")
+        lines = [line] + [f"  re-planned at {r}" for r in self.replans]
+        return "\n".join(lines)
 
     # -- inputs ------------------------------------------------------------------------------------
     def _resolve_budget(self, trainer: Trainer) -> int:
@@ -323,21 +465,6 @@ class MemoryBudget(Callback):
                                  "the budget in bytes or as a size such as '24GiB'")
             return int(total * self.budget)
         return self.budget
-
-    @staticmethod
-    def _first_batch(trainer: Trainer, pl_module: LightningModule) -> tuple[Any, int | None]:
-        """The first batch of the data module's (or the module's) training loader and the size of its data set
-        (``None`` if unsized); ``(None, None)`` with loaders passed to ``fit`` (planned at ``on_train_start`` then,
-        from the Trainer's loader, without the micro-batch axis)."""
-        source = trainer.datamodule if trainer.datamodule is not None else pl_module
-        if not is_overridden("train_dataloader", source):
-            return None, None
-        loader = source.train_dataloader()
-        try:
-            samples = len(loader.dataset)
-        except (AttributeError, TypeError):
-            samples = None
-        return next(iter(loader)), samples
 
 
 def check_budget(budget: Any) -> int | float:
@@ -385,11 +512,23 @@ def _precision(trainer: Trainer) -> str:
     return {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(precision, precision)
 
 
-def _batch_size(pl_module: LightningModule) -> int | None:
-    if not lightning_hasattr(pl_module, "batch_size"):
-        return None
-    size = lightning_getattr(pl_module, "batch_size")
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else None
+def _no_split(pl_module: LightningModule, batch: Any) -> str:
+    """Why the batch cannot be split into micro-batches inside the step ("" when it can)."""
+    if not pl_module.automatic_optimization:
+        return f"{type(pl_module).__name__} uses manual optimization (the split runs inside automatic optimization)"
+    rows = batch_rows(batch)
+    if rows is None:
+        return f"the batch's tensors ({batch_shape(batch)}) have no common leading size to split"
+    if rows < 2:
+        return f"the batch has {rows} row"
+    return ""
+
+
+def _refuse_strategy(trainer: Trainer) -> None:
+    name = type(trainer.strategy).__name__
+    if name == "MemkitPipelineStrategy":
+        raise ValueError(f"{_OWNER} plans one device's step and does not plan {name} runs (each stage's layers and "
+                         "in-flight microbatches); plan them with `memkit estimate --pipeline` and remove the budget")
 
 
 def _alive(pl_module: LightningModule, trainer: Trainer, batch: Any) -> Iterator[torch.Tensor]:
@@ -402,6 +541,4 @@ def _alive(pl_module: LightningModule, trainer: Trainer, batch: Any) -> Iterator
     for optimizer in trainer.optimizers:
         for state in optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-    from lightning_memkit.estimate.module import batch_tensors
-
     yield from batch_tensors(batch)

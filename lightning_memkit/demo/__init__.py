@@ -5,10 +5,12 @@ from lightning_memkit.demo.byte_text import ByteTextDataModule
 from lightning_memkit.demo.hf_causal_lm import HFCausalLM
 from lightning_memkit.demo.moe import TinyMoE
 from lightning_memkit.demo.tiny_lm import TinyLM
+from lightning_memkit.demo.variable_text import VariableLengthDataModule
 
 __all__ = [
     "ByteTextDataModule",
     "HFCausalLM",
     "TinyLM",
     "TinyMoE",
+    "VariableLengthDataModule",
 ]

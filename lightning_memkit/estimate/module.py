@@ -21,7 +21,7 @@ Example (a two-layer MLP whose ``training_step`` is the loss; plans for 70% of i
     ...         return x.square().mean()
     ...     def configure_optimizers(self):
     ...         return torch.optim.SGD(self.parameters(), lr=0.1)
-    >>> run = ModuleRun(MLP(), torch.randn(2048, 256), batch_size=2048)
+    >>> run = ModuleRun(MLP(), torch.randn(2048, 256))
     >>> base = run.estimate(run.base)
     >>> result = search_plans(run, int(base.peak_bytes * 0.7), margin=0.0)
     >>> result.fitting[0].plan.describe(run.base)
@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit.estimate.plans import Plan, batch_splits, stronger_checkpoints, stronger_precisions
+from lightning_memkit.common.batches import batch_rows, batch_tensors, chunk_rows, micro_batch
+from lightning_memkit.estimate.plans import Plan, stronger_checkpoints, stronger_precisions
 from lightning_memkit.estimate.step import (
     PRECISIONS,
     MemoryEstimate,
@@ -84,57 +85,28 @@ def _like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-def batch_rows(batch: Any) -> int | None:
-    """The common leading size of every tensor in ``batch`` (nested dicts, lists, tuples), or None if they differ
-    or there is none."""
-    sizes = {t.shape[0] for t in batch_tensors(batch) if t.dim() > 0}
-    return sizes.pop() if len(sizes) == 1 else None
-
-
-def micro_batch(batch: Any, rows: int) -> Any:
-    """``batch`` with the first ``rows`` rows of every tensor (the first micro-batch of an equal split)."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:rows] if batch.dim() > 0 else batch
-    if isinstance(batch, dict):
-        return type(batch)({k: micro_batch(v, rows) for k, v in batch.items()})
-    if isinstance(batch, (list, tuple)):
-        items = [micro_batch(v, rows) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch
-
-
-def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``batch`` (nested dicts, lists, tuples)."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            yield from batch_tensors(v)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from batch_tensors(v)
-
-
 class ModuleRun:
     """A module as built, trained on batches like ``batch``, as :func:`search_plans` plans it.
 
     The axes a plan may change are ``allow``'s: ``"recompute"`` (none, selective or full activation
     checkpointing of the repeated blocks, ``policy``), ``"fused_loss"`` (when the module holds a transformers causal
-    LM, peft-wrapped too), ``"micro_batch"`` (the batch split into equal micro-batches accumulated; needs
-    ``batch_size``, the rows of ``batch``) and ``"precision"`` (``bf16-true``: changes the numerics, opt-in). The
-    base plan is the run as configured (``precision``, ``checkpoint``, ``fused_loss``).
+    LM, peft-wrapped too), ``"micro_batch"`` (the batch split inside the step into micro-batches of at most a
+    plan's ``micro_batch`` rows, their gradients accumulated: :class:`~lightning_memkit.callbacks.MicroBatchSplit`;
+    needs rows, a common leading size of the batch's tensors, above 1) and ``"precision"`` (``bf16-true``: changes
+    the numerics, opt-in). The base plan is the run as configured (``precision``, ``checkpoint``, ``fused_loss``,
+    ``micro_batch``).
 
     Args:
         module: the module (a LightningModule or any ``nn.Module`` with ``training_step`` and
             ``configure_optimizers``); never modified.
         batch: one training batch as the module's ``training_step`` receives it (real tensors; they count).
-        batch_size: rows per batch (``None``: the micro-batch axis is off).
+        micro_batch: the rows of the micro-batches the batch is already split into (``None``: not split).
         keep: objects the fake copy shares instead of copying (the Trainer, data).
         plugin: a precision plugin the Trainer applies (``NoSaveBitsandbytesPrecision``), estimated as applied.
         target: ``"cpu"`` or ``"cuda"`` (:func:`~lightning_memkit.estimate.step.estimate_training_memory`).
     """
 
-    def __init__(self, module: nn.Module, batch: Any, *, batch_size: int | None = None, precision: str = "32-true",
+    def __init__(self, module: nn.Module, batch: Any, *, micro_batch: int | None = None, precision: str = "32-true",
                  checkpoint: str | None = None, policy: Any = "auto", fused_loss: bool = False,
                  accumulate: int = 1, allow: Sequence[str] = ("recompute", "fused_loss", "micro_batch"),
                  plugin: Any = None, target: str = "cpu", keep: Sequence[Any] = ()):
@@ -149,10 +121,10 @@ class ModuleRun:
                 raise TypeError(f"{_OWNER}(module=...): {type(module).__name__} has no {name}()")
         self.module, self.batch, self.allow, self.plugin, self.target = module, batch, tuple(allow), plugin, target
         self.policy, self.accumulate, self.keep = policy, accumulate, tuple(keep)
-        rows = batch_rows(batch)
-        self.batch_size = batch_size if batch_size and rows == batch_size else 0
+        self.batch_size = batch_rows(batch) or 0
+        split = min(micro_batch or self.batch_size, self.batch_size)
         self.has_causal_lm = fused_loss or _has_causal_lm(module)
-        self.base = Plan(precision, None, checkpoint, bool(fused_loss), self.batch_size)
+        self.base = Plan(precision, None, checkpoint, bool(fused_loss), split)
 
     def axes(self) -> Iterator[Plan]:
         b = self.base
@@ -160,7 +132,7 @@ class ModuleRun:
                       else [b.precision])
         checkpoints = stronger_checkpoints(b.checkpoint) if "recompute" in self.allow else [b.checkpoint]
         fused = sorted({b.fused_loss, "fused_loss" in self.allow and self.has_causal_lm})
-        splits = batch_splits(b.micro_batch) if "micro_batch" in self.allow and b.micro_batch else [b.micro_batch]
+        splits = _halvings(b.micro_batch) if "micro_batch" in self.allow and b.micro_batch else [b.micro_batch]
         for values in itertools.product(precisions, [None], checkpoints, fused, splits):
             yield Plan(*values)
 
@@ -171,9 +143,10 @@ class ModuleRun:
         """The predicted step of the module with ``plan`` applied."""
         from lightning_memkit.estimate.hf import hf_patches
 
-        rows = plan.micro_batch or None
-        batch = self.batch if rows in (None, self.batch_size) else micro_batch(self.batch, rows)
-        accumulating = self.accumulate > 1 or (rows or 0) < self.batch_size
+        rows = plan.micro_batch or self.batch_size
+        split = rows < self.batch_size
+        batch = micro_batch(self.batch, chunk_rows(self.batch_size, rows)[0][1]) if split else self.batch
+        accumulating = self.accumulate > 1 or split
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return estimate_training_memory(
@@ -191,14 +164,26 @@ class ModuleRun:
         trainer: dict[str, Any] = {}
         if plan.precision != self.base.precision:
             trainer["precision"] = plan.precision
-        if plan.micro_batch != self.base.micro_batch:
-            trainer["accumulate_grad_batches"] = self.accumulate * (self.batch_size // plan.micro_batch)
+        callbacks = []
         if plan.checkpoint != self.base.checkpoint or plan.fused_loss != self.base.fused_loss:
-            trainer["callbacks"] = feature_callbacks(plan, fused_callback=plan.fused_loss)
+            callbacks = feature_callbacks(plan, fused_callback=plan.fused_loss)
+        if plan.micro_batch != self.base.micro_batch:
+            callbacks.append({"class_path": "lightning_memkit.callbacks.MicroBatchSplit",
+                              "init_args": {"max_rows": plan.micro_batch}})
+        if callbacks:
+            trainer["callbacks"] = callbacks
         return {"trainer": trainer}
 
     def notes(self, plan: Plan) -> list[str]:
-        return [f"batch size {plan.micro_batch}"] if plan.micro_batch != self.base.micro_batch else []
+        return []
+
+
+def _halvings(rows: int) -> list[int]:
+    """Micro-batch rows to try: ``rows``, then halved (rounded up) down to 1."""
+    out = [rows]
+    while out[-1] > 1:
+        out.append(-(-out[-1] // 2))
+    return out
 
 
 def _has_causal_lm(module: nn.Module) -> bool:

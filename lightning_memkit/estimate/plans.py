@@ -109,7 +109,7 @@ class Plan:
         if self.fused_loss != base.fused_loss:
             words.append("fused loss" if self.fused_loss else "no fused loss")
         if self.micro_batch != base.micro_batch:
-            words.append(f"micro-batch {self.micro_batch} x {base.micro_batch // self.micro_batch} accumulation")
+            words.append(f"micro-batch {self.micro_batch} x {-(-base.micro_batch // self.micro_batch)} accumulation")
         if self.stages > 1:
             words.append(f"{self.stages} pipeline stages")
         return ", ".join(words) or "the run as given"
@@ -483,7 +483,7 @@ class _Search:
         if plan.stages > 1:  # the single-device step of the same features, split over the stages
             cost = single_cost * _pipeline_factor(plan, self.run.batch_size)
         else:
-            cost = step_cost(est) * (max(self.run.base.micro_batch, 1) // max(plan.micro_batch, 1))
+            cost = step_cost(est) * -(-max(self.run.base.micro_batch, 1) // max(plan.micro_batch, 1))
         self.base_cost = self.base_cost or cost
         result = PlanResult(plan, est.peak_bytes, cost / self.base_cost - 1, self.fits(est.peak_bytes), self.run)
         if result.fits:

@@ -1,0 +1,356 @@
+"""Split each training batch inside the step into micro-batches, and recover a step that runs out of memory.
+
+Example::
+
+    from lightning import Trainer
+    from lightning_memkit.callbacks import MicroBatchSplit
+
+    # batches of 32 rows trained as 4 micro-batches of 8: the same samples and the same mean loss per step
+    trainer = Trainer(callbacks=[MicroBatchSplit(max_rows=8)])
+
+YAML (LightningCLI)::
+
+    trainer:
+      callbacks:
+        - class_path: lightning_memkit.callbacks.MicroBatchSplit
+          init_args: {max_rows: 8, max_retries: 2}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.memory import is_oom_error
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+from lightning_memkit.common.batches import WEIGHTS, batch_rows, batch_shape, split_batch
+from lightning_memkit.common.validation import check_choice, check_int
+
+__all__ = ["MicroBatchSplit", "OutOfMemoryStep", "StepRetriesExhausted"]
+
+_OWNER = "MicroBatchSplit"
+_HOOKS = ("training_step", "backward", "optimizer_step", "optimizer_zero_grad")
+
+
+class StepRetriesExhausted(RuntimeError):
+    """An out-of-memory step that was not recovered: the retries are spent or nothing stronger is left."""
+
+
+@dataclass
+class OutOfMemoryStep:
+    """What ran out of memory: where (``"forward"``, ``"backward"``, ``"optimizer step"``, ``"retry"``), the
+    global step, the batch, its shape in words and the error's first line."""
+
+    where: str
+    step: int
+    batch: Any
+    shape: str
+    error: str
+
+
+class MicroBatchSplit(Callback):
+    """Train each batch as micro-batches of at most ``max_rows`` rows, inside the training step; optionally retry a
+    step that runs out of memory with a stronger setting.
+
+    The split happens in the module's ``training_step`` (patched from ``on_fit_start`` to ``teardown``): each
+    micro-batch runs forward and backward in turn, its loss weighted so that the weighted sum is the loss of the
+    whole batch (``weight``: by rows, by label tokens for a transformers causal-LM batch, see
+    :func:`~lightning_memkit.common.batches.split_batch`), and the last one's loss is returned to Lightning, which
+    runs its backward and the optimizer step as usual. The loader, its batch size, the validation batches and
+    ``accumulate_grad_batches`` are unchanged, so every optimizer step sees the same samples as without the split,
+    whatever the size of the data set; the loss Lightning logs is the whole batch's. A batch of at most
+    ``max_rows`` rows runs as it is.
+
+    With ``max_retries > 0``, an error that Lightning's ``is_oom_error`` recognises (CUDA's, or the CPU allocator's
+    "DefaultCPUAllocator: can't allocate memory") raised in a step's forward, backward or optimizer step is caught:
+    the garbage collected and the device cache emptied, ``on_out_of_memory`` asked for a stronger setting (by
+    default the micro-batches halved), the gradients zeroed and the accumulation window in which it struck run
+    again from its first micro-batch (its batches are kept until its optimizer step), so that no sample is
+    skipped or counted twice. An error in the optimizer step after it changed a parameter or its state is not
+    retried (a retry would apply part of the update twice). After ``max_retries`` recoveries in a fit, the next
+    such error stops the run with :class:`StepRetriesExhausted`, one line naming the batch shape.
+
+    Needs automatic optimization. Recovery runs on one process (``world_size == 1``); with several the error
+    propagates as without this callback (every rank would have to agree before a retry).
+
+    Args:
+        max_rows: the most rows a micro-batch has (``None``: batches are not split).
+        weight: how micro-batch losses are weighted: ``"auto"``, ``"rows"``, ``"tokens"``, ``"sum"``.
+        max_retries: out-of-memory steps recovered per fit (0: none).
+
+    Attributes:
+        recoveries: one line per recovered step (``"step 3, forward, batch input_ids 8x64: micro-batches of 4"``).
+        on_out_of_memory: called with an :class:`OutOfMemoryStep`; applies a stronger setting and returns a line
+            saying what, or ``None`` when there is none (the error then stops the run).
+    """
+
+    def __init__(self, max_rows: int | None = None, weight: str = "auto", max_retries: int = 0) -> None:
+        self.max_rows = check_int(max_rows, "max_rows", minimum=1, allow_none=True, owner=_OWNER)
+        self.weight = check_choice(weight, "weight", WEIGHTS, owner=_OWNER)
+        self.max_retries = check_int(max_retries, "max_retries", minimum=0, owner=_OWNER)
+        self.on_out_of_memory: Callable[[OutOfMemoryStep], str | None] = self._halve
+        self.recoveries: list[str] = []
+        self._module: LightningModule | None = None
+        self._trainer: Trainer | None = None
+        self._originals: dict[str, Any] = {}
+        self._wrappers: dict[str, Any] = {}
+        self._window: list[tuple[Any, int]] = []
+        self._current: tuple[Any, int] | None = None
+        self._skip_zero = False
+        self._inner = 0  # > 0: inside our own re-runs, the hooks pass through
+        self._passes_batch_idx = True
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise ValueError(f"{_OWNER} splits the batch inside Lightning's automatic optimization; "
+                             f"{type(pl_module).__name__} sets automatic_optimization=False")
+        self._restore()
+        self._trainer, self.recoveries = trainer, []
+        self._window, self._current, self._skip_zero = [], None, False
+        self._patch(pl_module)
+
+    def _patch(self, pl_module: LightningModule) -> None:
+        self._module = pl_module
+        self._passes_batch_idx = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+        for name in _HOOKS:
+            self._originals[name] = getattr(pl_module, name)
+            self._wrappers[name] = _wrapper(self._originals[name], getattr(self, f"_{name}"))
+            setattr(pl_module, name, self._wrappers[name])
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The module's own hooks back for the block (to copy or estimate it), ours again after it."""
+        module = self._module
+        self._restore()
+        try:
+            yield
+        finally:
+            if module is not None:
+                self._patch(module)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Keep the batches of the accumulation window until its optimizer step (to run it again)."""
+        if batch_idx % max(int(trainer.accumulate_grad_batches), 1) == 0:
+            self._window = []
+        elif self._current is not None and self.max_retries:
+            self._window.append(self._current)
+        self._current = (batch, batch_idx)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restore()
+        self._window, self._current = [], None
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._restore()
+        self._window, self._current = [], None
+
+    def _restore(self) -> None:
+        """Put the module's own hooks back (ours stay as pass-throughs where something patched over them)."""
+        module, self._module = self._module, None
+        for name, wrapper in self._wrappers.items():
+            if module is not None and vars(module).get(name) is wrapper:
+                original = self._originals[name]
+                if getattr(original, "__self__", None) is module and getattr(original, "__func__", None) is getattr(
+                        type(module), name, None):
+                    delattr(module, name)
+                else:
+                    setattr(module, name, original)
+        self._wrappers = {}
+
+    def _active(self) -> bool:
+        return self._module is not None and not self._inner
+
+    # -- the patched hooks -------------------------------------------------------------------------
+    def _training_step(self, batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
+        if not self._active():
+            return self._call_step(batch, batch_idx, *args, **kwargs)
+        self._skip_zero = False
+        try:
+            return self._run(batch, batch_idx, backward_last=False)
+        except Exception as err:  # noqa: BLE001 - only out-of-memory errors are handled
+            event = self._event(err, "forward", batch)
+        return self._retry(event, lambda: self._run(batch, batch_idx, backward_last=False))
+
+    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if not self._active():
+            return self._originals["backward"](loss, *args, **kwargs)
+        try:
+            return self._originals["backward"](loss, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001
+            event = self._event(err, "backward", self._current[0] if self._current else None)
+        del loss
+        batch, batch_idx = self._current
+        self._retry(event, lambda: self._run(batch, batch_idx, backward_last=True))
+        return None
+
+    def _optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        step = self._originals["optimizer_step"]
+        if not self._active():
+            return step(epoch, batch_idx, optimizer, optimizer_closure)
+        seen: dict[str, Any] = {}
+
+        def closure() -> Any:
+            out = optimizer_closure()
+            seen["versions"] = _versions(optimizer)
+            return out
+
+        try:
+            return step(epoch, batch_idx, optimizer, closure)
+        except Exception as err:  # noqa: BLE001
+            event = self._event(err, "optimizer step", self._current[0] if self._current else None)
+        if "versions" in seen and _versions(optimizer) != seen["versions"]:
+            raise StepRetriesExhausted(f"{_OWNER}: step {event.step} ran out of memory in the optimizer step after "
+                                       f"the optimizer had changed a parameter or its state (batch {event.shape}); "
+                                       "not retried: a retry would apply part of the update twice")
+        return self._retry(event, lambda: step(epoch, batch_idx, optimizer, closure))
+
+    def _optimizer_zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        if self._skip_zero and self._active():  # zeroed already, after the first micro-batch's forward
+            self._skip_zero = False
+            return None
+        return self._originals["optimizer_zero_grad"](*args, **kwargs)
+
+    # -- the split step ----------------------------------------------------------------------------
+    def _call_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        step = self._originals["training_step"]
+        return step(batch, batch_idx, *args, **kwargs) if self._passes_batch_idx else step(batch, *args, **kwargs)
+
+    def _run(self, batch: Any, batch_idx: int, backward_last: bool, zero: bool = True) -> Any:
+        """The step of ``batch`` in micro-batches: each one's forward and (but the last's, unless
+        ``backward_last``) backward; returns what Lightning gets, the last one's output with the whole batch's
+        loss as value."""
+        chunks = split_batch(batch, self.max_rows, self.weight)
+        if len(chunks) == 1 and not backward_last:
+            return self._call_step(batch, batch_idx)
+        trainer = self._trainer
+        first = zero and batch_idx % max(int(trainer.accumulate_grad_batches), 1) == 0
+        done: torch.Tensor | None = None
+        for i, (chunk, weight) in enumerate(chunks):
+            out = self._call_step(chunk, batch_idx)
+            loss = _loss_of(out) * weight
+            if i == len(chunks) - 1 and not backward_last:
+                return _with_loss(out, loss + done)
+            if i == 0 and first:
+                self._zero_grad(batch_idx)
+                self._skip_zero = not backward_last
+            self._backward_inner(loss / max(int(trainer.accumulate_grad_batches), 1))
+            done = loss.detach() if done is None else done + loss.detach()
+            del out, loss
+        return done
+
+    def _zero_grad(self, batch_idx: int) -> None:
+        self._originals["optimizer_zero_grad"](self._trainer.current_epoch, batch_idx, self._trainer.optimizers[0])
+
+    def _backward_inner(self, loss: torch.Tensor) -> None:
+        """A micro-batch's backward through the strategy (precision scaling, hooks), not synchronised across
+        processes (the last micro-batch's backward is)."""
+        trainer = self._trainer
+        block = getattr(trainer.strategy, "block_backward_sync", None)
+        self._inner += 1
+        try:
+            if callable(block) and trainer.world_size > 1:
+                with block():
+                    trainer.strategy.backward(loss, trainer.optimizers[0])
+            else:
+                trainer.strategy.backward(loss, trainer.optimizers[0])
+        finally:
+            self._inner -= 1
+
+    # -- recovery ----------------------------------------------------------------------------------
+    def _event(self, err: Exception, where: str, batch: Any) -> OutOfMemoryStep:
+        """The out-of-memory error ``err`` as an event, or ``err`` raised again when it is not one we recover."""
+        if not (self.max_retries and is_oom_error(err)) or isinstance(err, StepRetriesExhausted):
+            raise err
+        if self._trainer.world_size > 1:
+            raise err
+        step = int(self._trainer.global_step)
+        return OutOfMemoryStep(where, step, batch, batch_shape(batch), str(err).splitlines()[0][:200])
+
+    def _retry(self, event: OutOfMemoryStep, rerun: Callable[[], Any]) -> Any:
+        """Make ``event`` stronger-planned, zero the gradients, run the window's earlier batches again, then
+        ``rerun`` the current part; again on another out-of-memory error, until the retries are spent."""
+        while True:
+            self._strengthen(event)
+            try:
+                self._replay_window()
+                return rerun()
+            except Exception as err:  # noqa: BLE001
+                event = self._event(err, "retry", event.batch)
+
+    def _strengthen(self, event: OutOfMemoryStep) -> None:
+        gc.collect()
+        from lightning_memkit.release.phases import empty_device_cache
+
+        empty_device_cache()
+        if len(self.recoveries) >= self.max_retries:
+            raise StepRetriesExhausted(self._exhausted(event, f"after {self.max_retries} recovered steps"))
+        line = self.on_out_of_memory(event)
+        if line is None:
+            raise StepRetriesExhausted(self._exhausted(event, "and nothing stronger is left"))
+        self.recoveries.append(f"step {event.step}, {event.where}, batch {event.shape}: {line}")
+        if self._trainer.is_global_zero:
+            rank_zero_info(f"{_OWNER}: out of memory at step {event.step} ({event.where}, batch {event.shape}); "
+                           f"retrying with {line}")
+
+    def _exhausted(self, event: OutOfMemoryStep, why: str) -> str:
+        return (f"{_OWNER}: step {event.step} ran out of memory in its {event.where} (batch {event.shape}) {why}: "
+                f"{event.error}")
+
+    def _replay_window(self) -> None:
+        """Zero the gradients and run the window's batches before the current one again, forward and backward."""
+        batch_idx = self._current[1] if self._current else 0
+        self._zero_grad(batch_idx)
+        self._skip_zero = False
+        for batch, idx in self._window:
+            self._run(batch, idx, backward_last=True, zero=False)
+
+    def _halve(self, event: OutOfMemoryStep) -> str | None:
+        """The default stronger setting: micro-batches of half the rows (rounded up)."""
+        rows = batch_rows(event.batch) if event.batch is not None else None
+        current = min(self.max_rows or rows or 1, rows or 1)
+        if current <= 1:
+            return None
+        self.max_rows = -(-current // 2)
+        return f"micro-batches of {self.max_rows} rows"
+
+
+def _wrapper(original: Any, impl: Callable[..., Any]) -> Callable[..., Any]:
+    """A function standing in for the module's hook ``original`` that runs ``impl``."""
+
+    @functools.wraps(original)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        return impl(*args, **kwargs)
+
+    return hook
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{_OWNER}: training_step must return a loss tensor or a dict with 'loss' to be split into "
+                        f"micro-batches; it returned {type(output).__name__}")
+    return loss
+
+
+def _with_loss(output: Any, loss: torch.Tensor) -> Any:
+    if isinstance(output, dict):
+        return {**output, "loss": loss}
+    return loss
+
+
+def _versions(optimizer: Any) -> tuple[int, ...]:
+    """The in-place version counters of an optimizer's parameters and state tensors (any change bumps them)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    params = [p for group in inner.param_groups for p in group["params"]]
+    state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return tuple(t._version for t in (*params, *state))
