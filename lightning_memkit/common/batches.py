@@ -192,8 +192,8 @@ def longest_batch(loader: Any, seconds: float = 30.0,
     padded to the longest, as a padding collator pads), and one line saying how it was found; None when the loader
     has no sized, indexable data set with automatic batching (an iterable data set, a batch sampler).
 
-    The scan reads the samples in order for at most ``seconds``; a scan cut short plans on the longest samples read
-    (the line says how many of how many). ``progress`` gets a line every 5 s. The global random states are
+    The scan reads the samples in order for at most ``seconds`` (a batch's worth at least); a scan cut short gives
+    the longest samples read (the line says how many of how many). ``progress`` gets a line every 5 s. The global random states are
     untouched (:func:`rng_untouched`): a data set that draws while reading does not change the run's data.
 
     Example::
@@ -219,7 +219,7 @@ def longest_batch(loader: Any, seconds: float = 30.0,
         for i in range(total):
             lengths.append((sample_length(dataset[i]), i))
             now = time.perf_counter()
-            if now - start > seconds:
+            if now - start > seconds and len(lengths) >= size:
                 break
             if progress is not None and now - last > 5:
                 last = now
