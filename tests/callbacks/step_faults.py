@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1048576 bytes. Error code 12"
 WHERE = ("forward", "backward", "optimizer")
@@ -42,14 +43,16 @@ class InjectOOM(pl.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         layer = next(m for m in pl_module.modules() if isinstance(m, torch.nn.Linear))
         if self.where == "forward":
-            self._handles.append(layer.register_forward_hook(lambda *a: self._fire(trainer)))
+            self._handles.append(layer.register_forward_hook(lambda m, i, out: self._fire(trainer, out)))
         elif self.where == "backward":
-            self._handles.append(layer.register_full_backward_hook(lambda *a: self._fire(trainer)))
+            self._handles.append(layer.register_full_backward_hook(lambda m, gi, go: self._fire(trainer, go[0])))
         else:
             self._handles.append(trainer.optimizers[0].register_step_pre_hook(lambda *a: self._fire(trainer)))
 
-    def _fire(self, trainer) -> None:
+    def _fire(self, trainer, tensor=None) -> None:
         if trainer.global_step != self.at_step or self.left <= 0 or not trainer.training:
+            return
+        if isinstance(tensor, FakeTensor):  # the budget's estimates copy the module, hooks too: only real steps fail
             return
         self._calls += 1
         if self._calls >= self.micro:
