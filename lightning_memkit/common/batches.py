@@ -193,8 +193,9 @@ def longest_batch(loader: Any, seconds: float = 30.0,
     has no sized, indexable data set with automatic batching (an iterable data set, a batch sampler).
 
     The scan reads the samples in order for at most ``seconds`` (a batch's worth at least); a scan cut short gives
-    the longest samples read (the line says how many of how many). ``progress`` gets a line every 5 s. The global random states are
-    untouched (:func:`rng_untouched`): a data set that draws while reading does not change the run's data.
+    the longest samples read (the line says how many of how many). ``progress`` gets a line every 5 s. The global
+    random states are untouched (:func:`rng_untouched`): a data set that draws while reading does not change the
+    run's data.
 
     Example::
 
