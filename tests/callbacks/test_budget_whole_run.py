@@ -60,17 +60,22 @@ class Shuffled(ByteTextDataModule):
         return type(loader)(loader.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
 
 
-def _fit_shuffled(*callbacks) -> list[float]:
-    pl.seed_everything(0, verbose=False)
+def _fit(model, data, *callbacks, **trainer_args) -> tuple[StepLosses, pl.Trainer]:
     losses = StepLosses()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                             callbacks=[losses, *callbacks])
-        trainer.fit(HFCausalLM(family="llama", hidden_size=64, num_layers=1, vocab_size=256),
-                    Shuffled(batch_size=8, seq_len=32, max_bytes=50_000, samples_per_epoch=64, batch_format="hf"))
-    return losses.steps
+        trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, callbacks=[losses, *callbacks],
+                             **trainer_args)
+        trainer.fit(model, data)
+    return losses, trainer
+
+
+def _fit_shuffled(*callbacks) -> list[float]:
+    pl.seed_everything(0, verbose=False)
+    return _fit(HFCausalLM(family="llama", hidden_size=64, num_layers=1, vocab_size=256),
+                Shuffled(batch_size=8, seq_len=32, max_bytes=50_000, samples_per_epoch=64, batch_format="hf"),
+                *callbacks, max_steps=3)[0].steps
 
 
 def test_a_plentiful_budget_changes_nothing_bitwise_on_shuffled_data() -> None:
@@ -81,15 +86,9 @@ def test_a_plentiful_budget_changes_nothing_bitwise_on_shuffled_data() -> None:
 
 def _fit_tiny(*callbacks) -> tuple[StepLosses, pl.Trainer]:
     pl.seed_everything(0, verbose=False)
-    losses = StepLosses()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = pl.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                             accumulate_grad_batches=2, callbacks=[losses, *callbacks])
-        trainer.fit(TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=32),
-                    ByteTextDataModule(batch_size=8, seq_len=32, max_bytes=50_000, samples_per_epoch=80))
-    return losses, trainer
+    return _fit(TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=32),
+                ByteTextDataModule(batch_size=8, seq_len=32, max_bytes=50_000, samples_per_epoch=80), *callbacks,
+                max_steps=5, accumulate_grad_batches=2)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from step_faults import StepLosses
 
 from lightning_memkit.callbacks import ActivationCheckpointing, MemoryBudget
 from lightning_memkit.demo import ByteTextDataModule, HFCausalLM, TinyLM
@@ -15,23 +16,6 @@ from lightning_memkit.estimate.module import ModuleRun
 from lightning_memkit.memory import LivePeak
 
 STEPS = 2
-
-
-class StepLosses(pl.Callback):
-    """The loss of each optimizer step (the micro-batch losses Lightning reports are divided by the accumulation)."""
-
-    def __init__(self) -> None:
-        self.batches: list[float] = []
-        self.accumulate = 1
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.accumulate = trainer.accumulate_grad_batches
-        self.batches.append(float(outputs["loss"]))
-
-    @property
-    def steps(self) -> list[float]:
-        k = self.accumulate
-        return [sum(self.batches[i:i + k]) for i in range(0, len(self.batches), k)]
 
 
 def _model(kind: str) -> pl.LightningModule:
