@@ -177,14 +177,14 @@ class MemoryBudget(Callback):
         self._missed, self._largest = 0, -1
         self.budget_bytes = self._resolve_budget(trainer)
         self._split = self._own_split(trainer)
-        with rng_untouched():
+        with rng_untouched(trainer.strategy.root_device):
             batch = self._planning_batch(trainer, pl_module)
         if batch is not None:
             self._plan(trainer, pl_module, batch, self.allow, late=False)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.plan is None:  # dataloaders passed to fit: the loader exists only now
-            with rng_untouched():
+            with rng_untouched(trainer.strategy.root_device):
                 batch = self._from_loader(trainer.train_dataloader)
             with self._features_off(trainer, pl_module):
                 self._plan(trainer, pl_module, batch, [a for a in self.allow if a in _BETWEEN_STEPS], late=True)
@@ -268,7 +268,7 @@ class MemoryBudget(Callback):
                          allow=allow, plugin=plugin, target=trainer.strategy.root_device.type, keep=(trainer,))
 
     def _nothing_fits(self, run: Any, budget: int) -> NoPlanFits:
-        strongest = max(run.axes(), key=lambda p: p.strength())
+        strongest = _strongest(run)
         with unmeasured():
             peak = run.estimate(strongest).peak_bytes
         missed = f" after {format_bytes(self._missed)} the estimate missed" if self._missed else ""
@@ -366,10 +366,11 @@ class MemoryBudget(Callback):
         _say(f"{_OWNER}: re-planned: {self.replans[-1]}")
         return change
 
-    def _strongest_below(self, run: Any, now: int) -> Any:
+    @staticmethod
+    def _strongest_below(run: Any, now: int) -> Any:
         from lightning_memkit.estimate.plans import PlanResult
 
-        strongest = max(run.axes(), key=lambda p: p.strength())
+        strongest = _strongest(run)
         if strongest == run.base:
             return None
         peak = run.estimate(strongest).peak_bytes
@@ -510,6 +511,11 @@ def _find(trainer: Trainer, name: str) -> Any:
 def _precision(trainer: Trainer) -> str:
     precision = str(trainer.precision)
     return {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(precision, precision)
+
+
+def _strongest(run: Any) -> Any:
+    """The plan of ``run`` strongest on every axis."""
+    return max(run.axes(), key=lambda p: p.strength())
 
 
 def _no_split(pl_module: LightningModule, batch: Any) -> str:

@@ -140,7 +140,7 @@ class MicroBatchSplit(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Keep the batches of the accumulation window until its optimizer step (to run it again)."""
-        if batch_idx % max(int(trainer.accumulate_grad_batches), 1) == 0:
+        if batch_idx % _accumulate(trainer) == 0:
             self._window = []
         elif self._current is not None and self.max_retries:
             self._window.append(self._current)
@@ -195,7 +195,7 @@ class MicroBatchSplit(Callback):
 
     def _optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         step = self._originals["optimizer_step"]
-        if not self._active():
+        if not (self._active() and self.max_retries):  # nothing to recover: no version counters read each step
             return step(epoch, batch_idx, optimizer, optimizer_closure)
         seen: dict[str, Any] = {}
 
@@ -233,7 +233,7 @@ class MicroBatchSplit(Callback):
         if len(chunks) == 1 and not backward_last:
             return self._call_step(batch, batch_idx)
         trainer = self._trainer
-        first = zero and batch_idx % max(int(trainer.accumulate_grad_batches), 1) == 0
+        first = zero and batch_idx % _accumulate(trainer) == 0
         done: torch.Tensor | None = None
         for i, (chunk, weight) in enumerate(chunks):
             out = self._call_step(chunk, batch_idx)
@@ -243,7 +243,7 @@ class MicroBatchSplit(Callback):
             if i == 0 and first:
                 self._zero_grad(batch_idx)
                 self._skip_zero = not backward_last
-            self._backward_inner(loss / max(int(trainer.accumulate_grad_batches), 1))
+            self._backward_inner(loss / _accumulate(trainer))
             done = loss.detach() if done is None else done + loss.detach()
             del out, loss
         return done
@@ -269,9 +269,8 @@ class MicroBatchSplit(Callback):
     # -- recovery ----------------------------------------------------------------------------------
     def _event(self, err: Exception, where: str, batch: Any) -> OutOfMemoryStep:
         """The out-of-memory error ``err`` as an event, or ``err`` raised again when it is not one we recover."""
-        if not (self.max_retries and is_oom_error(err)) or isinstance(err, StepRetriesExhausted):
-            raise err
-        if self._trainer.world_size > 1:
+        recoverable = self.max_retries and is_oom_error(err) and not isinstance(err, StepRetriesExhausted)
+        if not recoverable or self._trainer.world_size > 1:
             raise err
         step = int(self._trainer.global_step)
         return OutOfMemoryStep(where, step, batch, batch_shape(batch), str(err).splitlines()[0][:200])
@@ -322,6 +321,11 @@ class MicroBatchSplit(Callback):
             return None
         self.max_rows = -(-current // 2)
         return f"micro-batches of {self.max_rows} rows"
+
+
+def _accumulate(trainer: Trainer) -> int:
+    """The micro-batches of an optimizer step, as Lightning counts them (its first zeroes the gradients)."""
+    return max(int(trainer.accumulate_grad_batches), 1)
 
 
 def _wrapper(original: Any, impl: Callable[..., Any]) -> Callable[..., Any]:

@@ -153,16 +153,20 @@ def split_batch(batch: Any, max_rows: int | None, weight: str = "auto") -> list[
 
 # -- the longest batch of a data set --------------------------------------------------------------------------
 @contextlib.contextmanager
-def rng_untouched() -> Iterator[None]:
-    """Run the block without changing the global random states of torch (CPU and CUDA), ``random`` and numpy: what
-    it draws, the run after it does not see."""
+def rng_untouched(device: torch.device | str | None = None) -> Iterator[None]:
+    """Run the block without changing the global random states of torch (CPU and one CUDA device), ``random`` and
+    numpy: what it draws, the run after it does not see.
+
+    ``device``: the CUDA device whose generator is kept (a CPU device: none); ``None``: the current CUDA device once
+    CUDA is initialized. Only that one: reading another device's state would start a CUDA context on it.
+    """
     state = random.getstate()
     numpy_state = None
     with contextlib.suppress(ImportError):
         import numpy
 
         numpy_state = numpy.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    devices = _cuda_devices(device)
     try:
         with torch.random.fork_rng(devices=devices):
             yield
@@ -170,6 +174,13 @@ def rng_untouched() -> Iterator[None]:
         random.setstate(state)
         if numpy_state is not None:
             numpy.random.set_state(numpy_state)
+
+
+def _cuda_devices(device: torch.device | str | None) -> list[int]:
+    if device is None:
+        return [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    device = torch.device(device)
+    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
 
 
 def sample_length(sample: Any) -> int:

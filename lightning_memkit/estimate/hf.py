@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from lightning_memkit.common.batches import rng_untouched
 from lightning_memkit.estimate.inputs import (
     check_pipeline,
     check_pipeline_family,
@@ -281,7 +282,7 @@ def estimate_hf_pipeline(path: str | Path, stages: int, microbatches: int | None
             mask = torch.ones(tokens["input_ids"].shape, dtype=torch.int64)
         inputs, target = split.inputs({**tokens, "attention_mask": mask})
         opt = resolve_optimizer(optimizer, None)[0](net)
-        with torch.random.fork_rng(), default_dtype(precision_dtype(precision)):
+        with rng_untouched(), default_dtype(precision_dtype(precision)):
             costs = measure_pipeline_costs(list(split.layers), inputs, target, loss_fn=split.loss, optimizer=opt)
         parameters = sum(p.numel() for p in net.parameters())
     partition = partition_layers(costs, stages, schedule="1f1b", microbatches=microbatches)

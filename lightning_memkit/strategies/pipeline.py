@@ -60,6 +60,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_memkit.common.batches import rng_untouched
 from lightning_memkit.common.progress import WorkProgress, progress_enabled
 from lightning_memkit.common.validation import check_choice
 from lightning_memkit.pipeline import (
@@ -483,7 +484,7 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
                                 enabled=progress_enabled(trainer))
         hooks = [layer.register_forward_hook(lambda m, *_: progress.step(type(m).__name__)) for layer in layers]
         try:
-            with torch.random.fork_rng(devices=_rng_devices(self.root_device)):
+            with rng_untouched(self.root_device):
                 costs = measure_pipeline_costs(
                     layers, inputs, target, loss_fn=plan.loss_fn, optimizer=optimizer, fused_head=plan.fused_head,
                     device=self.root_device,
@@ -506,7 +507,7 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         hint = "or pass partition='uniform', 'parameters' or explicit sizes to MemkitPipelineStrategy"
         if source is None or not source.is_defined():
             raise ValueError(f"partition='memory' measures one batch of the dataloader, but none is attached; {hint}")
-        with torch.random.fork_rng(devices=_rng_devices(self.root_device)):  # keep the training RNG untouched
+        with rng_untouched(self.root_device):  # the training run's random states (torch, random, numpy) untouched
             loaders = source.dataloader()
             if isinstance(loaders, Mapping):
                 loaders = next(iter(loaders.values()))
@@ -838,10 +839,6 @@ def _slice(x: Any, n: int) -> Any:
     if isinstance(x, (tuple, list)):
         return type(x)(_slice(t, n) for t in x)
     return x
-
-
-def _rng_devices(device: torch.device) -> list[int]:
-    return [device.index or 0] if device.type == "cuda" else []
 
 
 def load_pipeline_state_dict(path: _PATH) -> dict[str, torch.Tensor]:
