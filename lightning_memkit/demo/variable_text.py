@@ -107,7 +107,10 @@ class VariableLengthDataModule(pl.LightningDataModule):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=pad_hf)
 
     def _longest_batch(self) -> dict[str, Any]:
-        """The largest batch of the epoch: ``batch_size`` windows of the longest length."""
+        """The largest batch the epoch can hold: its ``batch_size`` longest windows, padded as a batch of them is
+        (a padded batch has a mask that a batch of equal rows lacks, and transformers then builds the attention
+        mask as a tensor)."""
         self.setup("fit")
-        longest = max(range(len(self.train_set)), key=lambda i: self.train_set.lengths[i])
-        return pad_hf([self.train_set[longest]] * self.batch_size)
+        lengths = self.train_set.lengths
+        longest = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:self.batch_size]
+        return pad_hf([self.train_set[i] for i in longest])
