@@ -203,9 +203,6 @@ class MemoryBudget(Callback):
             trainer.callbacks.append(split)  # Lightning's hook loops reach callbacks appended during them
         split.max_retries = self.max_retries
         split.on_out_of_memory = lambda event: self._on_out_of_memory(trainer, event)
-        if self.max_retries and trainer.world_size > 1:
-            _say(f"{_OWNER}: out-of-memory steps are recovered on one process only; with {trainer.world_size} "
-                 "processes an out-of-memory error still stops the run")
         return split
 
     def _planning_batch(self, trainer: Trainer, pl_module: LightningModule) -> Any:

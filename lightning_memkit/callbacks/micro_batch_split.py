@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_memkit.common.batches import WEIGHTS, batch_rows, batch_shape, split_batch
 from lightning_memkit.common.validation import check_choice, check_int
@@ -38,7 +40,8 @@ from lightning_memkit.common.validation import check_choice, check_int
 __all__ = ["MicroBatchSplit", "OutOfMemoryStep", "StepRetriesExhausted"]
 
 _OWNER = "MicroBatchSplit"
-_HOOKS = ("training_step", "backward", "optimizer_step", "optimizer_zero_grad")
+_log = logging.getLogger(__name__)
+_HOOKS = ("training_step", "backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping")
 
 
 class StepRetriesExhausted(RuntimeError):
@@ -79,8 +82,17 @@ class MicroBatchSplit(Callback):
     retried (a retry would apply part of the update twice). After ``max_retries`` recoveries in a fit, the next
     such error stops the run with :class:`StepRetriesExhausted`, one line naming the batch shape.
 
-    Needs automatic optimization. Recovery runs on one process (``world_size == 1``); with several the error
-    propagates as without this callback (every rank would have to agree before a retry).
+    Under DDP (several processes) every rank agrees before any retries: the whole step's forward and backward run
+    inside the training step without synchronising gradients, every rank then says (one ``all_gather`` of a flag)
+    whether its part ran out of memory; the ranks that did run it again, stronger, while the others wait; then
+    the loss Lightning backpropagates only synchronises the gradients (a zero term reaching every trainable
+    parameter, so DDP reduces them as after accumulation). After the optimizer step the ranks agree again; a rank
+    whose step ran out of memory before changing anything runs the optimizer's step again on the reduced
+    gradients. A rank that cannot recover stops every rank, each with one line. Under other strategies with
+    several processes (FSDP, DeepSpeed, pipelines), whose collectives run inside the step, out-of-memory errors
+    are not recovered (one line says so): one rank's error would leave the others waiting in a collective.
+
+    Needs automatic optimization.
 
     Args:
         max_rows: the most rows a micro-batch has (``None``: batches are not split).
@@ -107,6 +119,8 @@ class MicroBatchSplit(Callback):
         self._current: tuple[Any, int] | None = None
         self._skip_zero = False
         self._inner = 0  # > 0: inside our own re-runs, the hooks pass through
+        self._recovering = False  # out-of-memory steps are recovered in this fit
+        self._clipped = False  # the optimizer step's gradients were clipped (Lightning's clipping hook returned)
         self._passes_batch_idx = True
 
     # -- hooks -------------------------------------------------------------------------------------
@@ -117,6 +131,11 @@ class MicroBatchSplit(Callback):
         self._restore()
         self._trainer, self.recoveries = trainer, []
         self._window, self._current, self._skip_zero = [], None, False
+        self._recovering = bool(self.max_retries) and _recoverable_on(trainer)
+        if self.max_retries and not self._recovering and trainer.is_global_zero:
+            rank_zero_info(f"{_OWNER}: out-of-memory steps are not recovered under {type(trainer.strategy).__name__} "
+                           f"with {trainer.world_size} processes (its collectives run inside the step: one rank's "
+                           "error would leave the others waiting); such an error stops the run")
         self._patch(pl_module)
 
     def _patch(self, pl_module: LightningModule) -> None:
@@ -175,44 +194,75 @@ class MicroBatchSplit(Callback):
         if not self._active():
             return self._call_step(batch, batch_idx, *args, **kwargs)
         self._skip_zero = False
-        try:
+        if self._agreeing():
+            return self._agreed_step(batch, batch_idx)
+
+        def run() -> Any:
             return self._run(batch, batch_idx, backward_last=False)
-        except Exception as err:  # noqa: BLE001 - only out-of-memory errors are handled
-            event = self._event(err, "forward", batch)
-        return self._retry(event, lambda: self._run(batch, batch_idx, backward_last=False))
+
+        return self._settled(run, lambda: self._replay_window(run), "forward", batch)
+
+    def _agreed_step(self, batch: Any, batch_idx: int) -> Any:
+        """The step under several processes: every micro-batch's forward and backward here, unsynchronised, every
+        rank agreeing on the outcome; Lightning then backpropagates a zero term that synchronises the gradients."""
+
+        def run() -> Any:
+            return self._run(batch, batch_idx, backward_last=True)
+
+        out = self._settled(run, lambda: self._replay_window(run), "forward or backward", batch)
+        self._skip_zero = batch_idx % _accumulate(self._trainer) == 0  # zeroed already, before the first backward
+        return _with_loss(out, _loss_of(out) + _zero_reaching(self._module))
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        if not self._active():
+        if not self._active() or self._agreeing():  # several processes: this backward only synchronises
             return self._originals["backward"](loss, *args, **kwargs)
-        try:
-            return self._originals["backward"](loss, *args, **kwargs)
-        except Exception as err:  # noqa: BLE001
-            event = self._event(err, "backward", self._current[0] if self._current else None)
-        del loss
         batch, batch_idx = self._current
-        self._retry(event, lambda: self._run(batch, batch_idx, backward_last=True))
+
+        def backward() -> None:
+            self._originals["backward"](loss, *args, **kwargs)
+
+        def run() -> Any:
+            return self._run(batch, batch_idx, backward_last=True)
+
+        self._settled(backward, lambda: self._replay_window(run), "backward", batch)
         return None
 
     def _optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         step = self._originals["optimizer_step"]
-        if not (self._active() and self.max_retries):  # nothing to recover: no version counters read each step
+        if not (self._active() and self._recovering):  # nothing to recover: no version counters read each step
             return step(epoch, batch_idx, optimizer, optimizer_closure)
         seen: dict[str, Any] = {}
+        self._clipped = False
 
         def closure() -> Any:
-            out = optimizer_closure()
+            seen["result"] = optimizer_closure()
             seen["versions"] = _versions(optimizer)
-            return out
+            return seen["result"]
 
-        try:
-            return step(epoch, batch_idx, optimizer, closure)
-        except Exception as err:  # noqa: BLE001
-            event = self._event(err, "optimizer step", self._current[0] if self._current else None)
-        if "versions" in seen and _versions(optimizer) != seen["versions"]:
-            raise StepRetriesExhausted(f"{_OWNER}: step {event.step} ran out of memory in the optimizer step after "
-                                       f"the optimizer had changed a parameter or its state (batch {event.shape}); "
-                                       "not retried: a retry would apply part of the update twice")
-        return self._retry(event, lambda: step(epoch, batch_idx, optimizer, closure))
+        def attempt() -> Any:
+            try:
+                return step(epoch, batch_idx, optimizer, closure)
+            except Exception as err:  # noqa: BLE001
+                if "versions" in seen and is_oom_error(err) and not _untouched(optimizer, seen["versions"]):
+                    raise StepRetriesExhausted(
+                        f"{_OWNER}: step {self._trainer.global_step} ran out of memory in the optimizer step after the "
+                        f"optimizer had changed a parameter or its state (batch {self._shape()}); not retried: a "
+                        "retry would apply part of the update twice") from err
+                if self._agreeing() and "versions" not in seen and is_oom_error(err):
+                    raise StepRetriesExhausted(  # the synchronising backward: its collectives cannot be re-run alone
+                        f"{_OWNER}: step {self._trainer.global_step} ran out of memory while synchronising "
+                        f"gradients (batch {self._shape()}): {_first_line(err)}") from err
+                raise
+
+        if self._agreeing():  # the gradients are reduced already: this rank runs only the optimizer's step again
+            return self._settled(attempt, lambda: self._step_again(step, epoch, batch_idx, optimizer, seen),
+                                 "optimizer step", self._batch())
+        return self._settled(attempt, lambda: self._replay_window(lambda: step(epoch, batch_idx, optimizer, closure)),
+                             "optimizer step", self._batch())
+
+    def _configure_gradient_clipping(self, *args: Any, **kwargs: Any) -> None:
+        self._originals["configure_gradient_clipping"](*args, **kwargs)
+        self._clipped = True  # the gradients are final: an optimizer step run again must not clip them again
 
     def _optimizer_zero_grad(self, *args: Any, **kwargs: Any) -> None:
         if self._skip_zero and self._active():  # zeroed already, after the first micro-batch's forward
@@ -227,8 +277,8 @@ class MicroBatchSplit(Callback):
 
     def _run(self, batch: Any, batch_idx: int, backward_last: bool, zero: bool = True) -> Any:
         """The step of ``batch`` in micro-batches: each one's forward and (but the last's, unless
-        ``backward_last``) backward; returns what Lightning gets, the last one's output with the whole batch's
-        loss as value."""
+        ``backward_last``) backward; returns the last one's output with the whole batch's loss as value (with a
+        graph unless ``backward_last``)."""
         chunks = split_batch(batch, self.max_rows, self.weight)
         if len(chunks) == 1 and not backward_last:
             return self._call_step(batch, batch_idx)
@@ -245,8 +295,10 @@ class MicroBatchSplit(Callback):
                 self._skip_zero = not backward_last
             self._backward_inner(loss / _accumulate(trainer))
             done = loss.detach() if done is None else done + loss.detach()
-            del out, loss
-        return done
+            if i < len(chunks) - 1:
+                del out
+            del loss
+        return _with_loss(out, done)
 
     def _zero_grad(self, batch_idx: int) -> None:
         self._originals["optimizer_zero_grad"](self._trainer.current_epoch, batch_idx, self._trainer.optimizers[0])
@@ -267,24 +319,68 @@ class MicroBatchSplit(Callback):
             self._inner -= 1
 
     # -- recovery ----------------------------------------------------------------------------------
-    def _event(self, err: Exception, where: str, batch: Any) -> OutOfMemoryStep:
-        """The out-of-memory error ``err`` as an event, or ``err`` raised again when it is not one we recover."""
-        recoverable = self.max_retries and is_oom_error(err) and not isinstance(err, StepRetriesExhausted)
-        if not recoverable or self._trainer.world_size > 1:
-            raise err
-        step = int(self._trainer.global_step)
-        return OutOfMemoryStep(where, step, batch, batch_shape(batch), str(err).splitlines()[0][:200])
+    def _agreeing(self) -> bool:
+        """Whether out-of-memory steps are recovered with every rank agreeing (several processes)."""
+        return self._recovering and self._trainer.world_size > 1
 
-    def _retry(self, event: OutOfMemoryStep, rerun: Callable[[], Any]) -> Any:
-        """Make ``event`` stronger-planned, zero the gradients, run the window's earlier batches again, then
-        ``rerun`` the current part; again on another out-of-memory error, until the retries are spent."""
+    def _batch(self) -> Any:
+        return self._current[0] if self._current else None
+
+    def _shape(self) -> str:
+        return batch_shape(self._batch()) if self._current else "unknown"
+
+    def _settled(self, attempt: Callable[[], Any], retry: Callable[[], Any], where: str, batch: Any) -> Any:
+        """``attempt()``; after an out-of-memory error, a stronger setting and ``retry()``, until it succeeds or
+        the retries are spent. Under several processes every rank then agrees (a flag each): the ranks whose part
+        failed retry while the others wait, and an error one rank cannot recover stops every rank."""
+        result, event, fatal = self._try(attempt, where, batch)
         while True:
-            self._strengthen(event)
+            code = 2 if fatal is not None else 1 if event is not None else 0
+            codes = self._agree(code) if self._agreeing() else [code]
+            if fatal is not None:
+                raise fatal
+            if 2 in codes:
+                raise StepRetriesExhausted(self._stopped_by(codes, where))
+            if max(codes) == 0:
+                return result
+            if event is None:  # another rank retries: wait for it at the next agreement
+                continue
             try:
-                self._replay_window()
-                return rerun()
-            except Exception as err:  # noqa: BLE001
-                event = self._event(err, "retry", event.batch)
+                self._strengthen(event)
+            except StepRetriesExhausted as err:
+                if not self._agreeing():
+                    raise
+                event, fatal = None, err
+                continue
+            result, event, fatal = self._try(retry, "retry", batch)
+
+    def _try(self, fn: Callable[[], Any], where: str, batch: Any) -> tuple[Any, OutOfMemoryStep | None, Any]:
+        """``fn()``'s result, or the out-of-memory event it raised (the error and its frames, which hold the failed
+        step's tensors, are let go), or, under several processes, the error to raise once the ranks agreed."""
+        try:
+            return fn(), None, None
+        except Exception as err:  # noqa: BLE001 - only out-of-memory errors are recovered
+            event = self._event(err, where, batch)
+            if event is None and not self._agreeing():
+                raise
+            return None, event, err if event is None else None
+
+    def _event(self, err: BaseException, where: str, batch: Any) -> OutOfMemoryStep | None:
+        """``err`` as an out-of-memory event to recover, or ``None`` (an error not recovered)."""
+        if not (self._recovering and is_oom_error(err)) or isinstance(err, StepRetriesExhausted):
+            return None
+        step = int(self._trainer.global_step)
+        return OutOfMemoryStep(where, step, batch, batch_shape(batch), _first_line(err))
+
+    def _agree(self, code: int) -> list[int]:
+        """Every rank's code (0: done, 1: retrying, 2: stopping), one ``all_gather``."""
+        strategy = self._trainer.strategy
+        return strategy.all_gather(torch.tensor([code], device=strategy.root_device)).flatten().tolist()
+
+    def _stopped_by(self, codes: list[int], where: str) -> str:
+        ranks = ", ".join(str(r) for r, c in enumerate(codes) if c == 2)
+        return (f"{_OWNER}: rank {ranks} stopped step {self._trainer.global_step} ({where}, batch {self._shape()}) "
+                "with an error it could not recover (its own line says which); every rank stops")
 
     def _strengthen(self, event: OutOfMemoryStep) -> None:
         gc.collect()
@@ -297,21 +393,35 @@ class MicroBatchSplit(Callback):
         if line is None:
             raise StepRetriesExhausted(self._exhausted(event, "and nothing stronger is left"))
         self.recoveries.append(f"step {event.step}, {event.where}, batch {event.shape}: {line}")
-        if self._trainer.is_global_zero:
-            rank_zero_info(f"{_OWNER}: out of memory at step {event.step} ({event.where}, batch {event.shape}); "
-                           f"retrying with {line}")
+        rank = f" on rank {self._trainer.global_rank}" if self._trainer.world_size > 1 else ""
+        _log.warning(f"{_OWNER}: out of memory at step {event.step}{rank} ({event.where}, batch {event.shape}); "
+                     f"retrying with {line}")
 
     def _exhausted(self, event: OutOfMemoryStep, why: str) -> str:
         return (f"{_OWNER}: step {event.step} ran out of memory in its {event.where} (batch {event.shape}) {why}: "
                 f"{event.error}")
 
-    def _replay_window(self) -> None:
-        """Zero the gradients and run the window's batches before the current one again, forward and backward."""
+    def _replay_window(self, rerun: Callable[[], Any]) -> Any:
+        """Zero the gradients, run the window's batches before the current one again (forward and backward),
+        then ``rerun()`` the current one."""
         batch_idx = self._current[1] if self._current else 0
         self._zero_grad(batch_idx)
         self._skip_zero = False
         for batch, idx in self._window:
             self._run(batch, idx, backward_last=True, zero=False)
+        return rerun()
+
+    def _step_again(self, step: Callable[..., Any], epoch: int, batch_idx: int, optimizer: Any,
+                    seen: dict[str, Any]) -> Any:
+        """The optimizer step again on the gradients already reduced, without running the step's forward and
+        backward: through Lightning (``on_before_optimizer_step``, clipping) when the error struck before clipping
+        was done, else the optimizer's own step alone (clipping again would change the gradients again)."""
+        if not self._clipped:
+            return step(epoch, batch_idx, optimizer, lambda: seen["result"])
+        if getattr(self._trainer.precision_plugin, "scaler", None) is not None:
+            raise StepRetriesExhausted(f"{_OWNER}: step {self._trainer.global_step}'s optimizer step ran out of "
+                                       "memory under a gradient scaler after the gradients were changed; not retried")
+        return getattr(optimizer, "optimizer", optimizer).step()
 
     def _halve(self, event: OutOfMemoryStep) -> str | None:
         """The default stronger setting: micro-batches of half the rows (rounded up)."""
@@ -338,6 +448,25 @@ def _wrapper(original: Any, impl: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
+def _recoverable_on(trainer: Trainer) -> bool:
+    """Whether an out-of-memory step can be recovered under the Trainer's strategy: one process, or DDP (whose only
+    collectives, the gradient reduction, run after the step's forward and backward here)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return trainer.world_size == 1 or type(trainer.strategy) is DDPStrategy
+
+
+def _zero_reaching(module: torch.nn.Module) -> torch.Tensor:
+    """Zero, with a graph to every trainable parameter of ``module``: its backward adds nothing to the gradients
+    (a sum's gradient is a broadcast view, added in place) but runs DDP's reduction hooks for every one."""
+    terms = [p.sum(dtype=torch.float32) * 0 for p in module.parameters() if p.requires_grad]
+    return torch.stack(terms).sum() if terms else torch.zeros(())
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+
+
 def _loss_of(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, torch.Tensor):
@@ -352,9 +481,34 @@ def _with_loss(output: Any, loss: torch.Tensor) -> Any:
     return loss
 
 
-def _versions(optimizer: Any) -> tuple[int, ...]:
-    """The in-place version counters of an optimizer's parameters and state tensors (any change bumps them)."""
+def _versions(optimizer: Any) -> tuple[tuple[int, ...], dict[Any, dict[str, int | None]]]:
+    """The in-place version counters of an optimizer's parameters, and of its state by parameter and key (``None``
+    for a value that is not a tensor): any change to them bumps a counter."""
     inner = getattr(optimizer, "optimizer", optimizer)
-    params = [p for group in inner.param_groups for p in group["params"]]
-    state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return tuple(t._version for t in (*params, *state))
+    params = tuple(p._version for group in inner.param_groups for p in group["params"])
+    state = {p: {k: v._version if isinstance(v, torch.Tensor) else None for k, v in s.items()}
+             for p, s in inner.state.items()}
+    return params, state
+
+
+def _counted(optimizer: Any) -> bool:
+    """Whether the version counters see every in-place change of the optimizer's step: its foreach and fused
+    kernels do not bump them under a Python dispatch mode (such as ``LivePeak``'s on a measured CPU step)."""
+    if _get_current_dispatch_mode() is None:
+        return True
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return all(not g.get("fused") and (g.get("foreach") is False or (
+        g.get("foreach") is None and all(p.device.type == "cpu" for p in g["params"]))) for g in inner.param_groups)
+
+
+def _untouched(optimizer: Any, seen: tuple[tuple[int, ...], dict[Any, dict[str, int | None]]]) -> bool:
+    """Whether a failed optimizer step left the parameters and the state it started with as they were; the state
+    it had begun to create (for parameters without state before, e.g. a first Adam step) is dropped, to be created
+    again by the retry."""
+    params, state = _versions(optimizer)
+    if not _counted(optimizer) or params != seen[0] or any(state.get(p) != before for p, before in seen[1].items()):
+        return False
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for p in [p for p in inner.state if p not in seen[1]]:
+        del inner.state[p]
+    return True

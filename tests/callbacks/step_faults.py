@@ -31,7 +31,8 @@ class StepLosses(pl.Callback):
 class InjectOOM(pl.Callback):
     """Raise the allocator's out-of-memory error in the ``where`` of optimizer step ``at_step`` (its ``micro``-th
     micro-batch for forward and backward), ``times`` times in all (each retry of that step raises again until then).
-    Forward: a hook on the first ``nn.Linear``; backward: a full backward hook on it; optimizer: a step pre-hook."""
+    Forward: a hook on the first ``nn.Linear``; backward: a full backward hook on it; optimizer:
+    ``on_before_optimizer_step`` (in the optimizer's step, after the closure, before any update)."""
 
     def __init__(self, where: str, at_step: int = 2, times: int = 1, micro: int = 1) -> None:
         assert where in WHERE
@@ -46,8 +47,11 @@ class InjectOOM(pl.Callback):
             self._handles.append(layer.register_forward_hook(lambda m, i, out: self._fire(trainer, out)))
         elif self.where == "backward":
             self._handles.append(layer.register_full_backward_hook(lambda m, gi, go: self._fire(trainer, go[0])))
-        else:
-            self._handles.append(trainer.optimizers[0].register_step_pre_hook(lambda *a: self._fire(trainer)))
+
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.where == "optimizer":  # inside the optimizer's step, after the closure, before any update
+            self._fire(trainer)
 
     def _fire(self, trainer, tensor=None) -> None:
         if trainer.global_step != self.at_step or self.left <= 0 or not trainer.training:

@@ -131,3 +131,41 @@ def test_an_update_begun_is_not_retried() -> None:
 
     with pytest.raises(StepRetriesExhausted, match="after the optimizer had changed a parameter or its state"):
         _fit("tiny_lm", MicroBatchSplit(max_retries=2), HalfUpdate())
+
+
+def test_a_failed_optimizer_step_is_retried_only_when_it_changed_nothing():
+    from lightning_memkit.callbacks.micro_batch_split import _untouched, _versions
+    from lightning_memkit.memory import LivePeak
+
+    layer = torch.nn.Linear(4, 4)
+    layer(torch.randn(2, 4)).sum().backward()
+    fresh = torch.optim.AdamW(layer.parameters(), foreach=False)
+    seen = _versions(fresh)
+    fresh.state[layer.weight]["exp_avg"] = torch.zeros_like(layer.weight)  # a first step's state, half made
+    assert _untouched(fresh, seen) and len(fresh.state) == 0  # dropped: the retry makes it again
+
+    fresh.step()
+    seen = _versions(fresh)
+    with torch.no_grad():
+        layer.bias.add_(1.0)  # part of an update applied
+    assert not _untouched(fresh, seen)
+    seen = _versions(fresh)
+    fresh.state[layer.weight]["exp_avg"].mul_(0.5)  # state changed
+    assert not _untouched(fresh, seen)
+
+    batched = torch.optim.AdamW(layer.parameters(), foreach=True)
+    with LivePeak():  # foreach kernels do not bump the counters under a dispatch mode: never taken as untouched
+        assert not _untouched(batched, _versions(batched))
+    assert _untouched(batched, _versions(batched))
+
+
+def test_recovery_across_processes_only_under_ddp():
+    import types
+
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from lightning_memkit.callbacks.micro_batch_split import _recoverable_on
+
+    assert _recoverable_on(types.SimpleNamespace(world_size=1, strategy=FSDPStrategy()))
+    assert _recoverable_on(types.SimpleNamespace(world_size=2, strategy=DDPStrategy()))
+    assert not _recoverable_on(types.SimpleNamespace(world_size=2, strategy=FSDPStrategy()))

@@ -1,0 +1,70 @@
+"""MemoryBudget under DDP, 2 gloo processes: an out-of-memory error on one rank at step 3 (forward, backward,
+optimizer step) is recovered with every rank agreeing first, with the losses and weights of the uninterrupted run;
+an error past the retries stops both ranks, each with one line, and nothing hangs."""
+
+import json
+from pathlib import Path
+
+import pytest
+import ranks
+import torch
+from step_faults import OOM, WHERE
+
+WORKER = Path(__file__).with_name("_ddp_oom_worker.py")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ddp_oom")
+    for code, log in ranks.wait(ranks.launch(WORKER, [str(out)], 2, OMP_NUM_THREADS="1"), 240, "DDP fits"):
+        assert code == 0, log[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", WHERE)
+def test_one_rank_out_of_memory_is_recovered_with_the_losses_and_weights_of_the_uninterrupted_run(results, where):
+    words = "optimizer step" if where == "optimizer" else "forward or backward"
+    for rank, result in enumerate(results):
+        run, as_is = result[where], result["as_is"]
+        assert run["error"] is None and run["step"] == 5
+        assert run["steps"] == pytest.approx(as_is["steps"], abs=1e-4)
+        torch.testing.assert_close(torch.tensor(run["weights"]), torch.tensor(as_is["weights"]), rtol=0, atol=1e-5)
+        if rank == 1:  # the rank that ran out of memory retried with micro-batches of 4; the other waited
+            assert run["recoveries"] == [f"step 3, {words}, batch 8x32, 8x32: micro-batches of at most 4 rows inside "
+                                         "the step (2 per batch of 8 rows; the same samples per optimizer step) "
+                                         "(MicroBatchSplit)"]
+            assert f"step 3, batch 8x32, 8x32: out of memory in the {words}" in run["replans"][-1]
+        else:
+            assert run["recoveries"] == []
+    # the replicas stay identical: DDP reduced the gradients of the retried step as of any other
+    assert results[0][where]["weights"] == results[1][where]["weights"]
+
+
+@pytest.mark.slow
+def test_an_error_past_the_retries_stops_every_rank_with_one_line(results):
+    mine, other = results[1]["exhausted"], results[0]["exhausted"]
+    assert mine["error"] == (f"StepRetriesExhausted: MicroBatchSplit: step 3 ran out of memory in its retry (batch "
+                             f"8x32, 8x32) after 2 recovered steps: {OOM}")
+    assert other["error"] == ("StepRetriesExhausted: MicroBatchSplit: rank 1 stopped step 3 (forward or backward, "
+                              "batch 8x32, 8x32) with an error it could not recover (its own line says which); every "
+                              "rank stops")
+    assert mine["step"] == other["step"] == 3
+
+
+@pytest.mark.slow
+def test_a_first_adam_step_out_of_memory_after_clipping_is_stepped_again_not_clipped_twice(results):
+    """Rank 1's AdamW ran out of memory after the clipped, reduced gradients were ready and part of its state was
+    made: that state is dropped and only the optimizer's step runs again; the replicas stay bitwise identical."""
+    for rank, result in enumerate(results):
+        run, reference = result["clipped_adam"], result["clipped"]
+        assert run["error"] is None and run["step"] == 5
+        assert run["steps"] == pytest.approx(reference["steps"], abs=1e-4)
+        # the same update (not clipped twice, no stale state); rank 1's halved micro-batches round differently
+        torch.testing.assert_close(torch.tensor(run["weights"]), torch.tensor(reference["weights"]), rtol=0,
+                                   atol=1e-6)
+        assert [line.split(":")[0] for line in run["recoveries"]] == (["step 0, optimizer step, batch 8x32, 8x32"]
+                                                                      if rank == 1 else [])
+    # bitwise: a second clipping on rank 1 alone would move its weights by ~3e-7 and part the replicas
+    assert results[0]["clipped_adam"]["weights"] == results[1]["clipped_adam"]["weights"]
+    assert reference["steps"] != results[0]["as_is"]["steps"]  # clipping changed this run
