@@ -20,6 +20,7 @@ YAML (LightningCLI; ``memkit fit --budget 24GiB`` adds it)::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -162,6 +163,7 @@ class MemoryBudget(Callback):
         self._largest = -1  # elements of the largest batch measured (CPU)
         self._watching = False
         self._cpu_watch = True
+        self._pipeline = False  # the Trainer runs memkit_pipeline: planned per rank, not re-planned
 
     @property
     def replanned(self) -> bool:
@@ -172,10 +174,13 @@ class MemoryBudget(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        _refuse_strategy(trainer)
         self.changes, self.plan, self.measured_peak_bytes, self.replans = [], None, None, []
         self._missed, self._largest = 0, -1
         self.budget_bytes = self._resolve_budget(trainer)
+        self._pipeline = _is_pipeline(trainer)
+        if self._pipeline:
+            self._plan_pipeline(trainer)
+            return
         self._split = self._own_split(trainer)
         with rng_untouched(trainer.strategy.root_device):
             batch = self._planning_batch(trainer, pl_module)
@@ -183,6 +188,9 @@ class MemoryBudget(Callback):
             self._plan(trainer, pl_module, batch, self.allow, late=False)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._pipeline:  # on CPU every rank holds the whole model: its live bytes are not the rank's
+            self._cpu_watch = False
+            return
         if self.plan is None:  # dataloaders passed to fit: the loader exists only now
             with rng_untouched(trainer.strategy.root_device):
                 batch = self._from_loader(trainer.train_dataloader)
@@ -240,6 +248,28 @@ class MemoryBudget(Callback):
         if trainer.is_global_zero:
             _say(f"{_OWNER}: predicted peak {format_bytes(self.plan.peak_bytes)} within the budget "
                  f"{format_bytes(self.budget_bytes)} ({self.margin:.0%} margin)")
+
+    def _plan_pipeline(self, trainer: Trainer) -> None:
+        """Per rank under memkit_pipeline: its microbatches and fused loss such that the busiest rank's predicted
+        peak fits (:mod:`~lightning_memkit.callbacks.budget_pipeline`); the split is the strategy's."""
+        from lightning_memkit.callbacks.budget_pipeline import plan_pipeline
+
+        limit = int((self.budget_bytes - self._context_bytes) / (1 + self.margin))
+        say = _say if trainer.is_global_zero else (lambda _line: None)
+        self.planned_on = "one batch of the training loader, each layer measured on one microbatch (memkit_pipeline)"
+        plan, changes, best = plan_pipeline(trainer, limit, self.allow, say)
+        if plan is None:
+            raise NoPlanFits(
+                f"{_OWNER}(budget={self.budget!r}): no memkit_pipeline plan fits {format_bytes(limit)} per rank with "
+                f"{self.margin:.0%} margin; the smallest busiest-rank peak is {format_bytes(best.busiest_bytes)} "
+                f"({best.busiest_bytes:,} B) with {best.describe()} (allowed: {', '.join(self.allow) or 'none'}). "
+                "Raise the budget, add ranks, or shorten the batch or the sequences")
+        trainer.strategy.use_plan(plan.partition, plan.fused_loss)
+        self.plan = plan
+        for line in changes:
+            self._change(line)
+        say(f"{_OWNER}: predicted peak of the busiest rank {format_bytes(plan.busiest_bytes)} within the budget "
+            f"{format_bytes(self.budget_bytes)} per rank ({self.margin:.0%} margin)")
 
     def _search(self, trainer: Trainer, run: Any, budget: int) -> Any:
         from lightning_memkit.estimate.plans import search_plans
@@ -413,6 +443,10 @@ class MemoryBudget(Callback):
         why = (f"a step peaked at {format_bytes(measured)}, above the predicted {format_bytes(predicted)} by more "
                f"than the {self.margin:.0%} margin" if measured <= self.budget_bytes else
                f"a step peaked at {format_bytes(measured)}, above the budget {format_bytes(self.budget_bytes)}")
+        if self._pipeline:
+            warnings.warn(f"{_OWNER}: rank {trainer.global_rank}: {why}; memkit_pipeline's split is fixed for the "
+                          "run, so it is not re-planned", stacklevel=2)
+            return
         _say(f"{_OWNER}: {why}: planning again")
         try:
             self._replan(trainer, pl_module, batch, measured, why)
@@ -445,6 +479,8 @@ class MemoryBudget(Callback):
         line = (f"{_OWNER}: budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B); planned on "
                 f"{self.planned_on}; plan: {'; '.join(self.changes) or 'the run as given'}; predicted peak "
                 f"{format_bytes(self.plan.peak_bytes)} ({self.plan.peak_bytes:,} B), {measured}")
+        if self._pipeline:
+            line += f"; memkit_pipeline: {self.plan.describe()}"
         lines = [line] + [f"  re-planned at {r}" for r in self.replans]
         return "\n".join(lines)
 
@@ -527,11 +563,9 @@ def _no_split(pl_module: LightningModule, batch: Any) -> str:
     return ""
 
 
-def _refuse_strategy(trainer: Trainer) -> None:
-    name = type(trainer.strategy).__name__
-    if name == "MemkitPipelineStrategy":
-        raise ValueError(f"{_OWNER} plans one device's step and does not plan {name} runs (each stage's layers and "
-                         "in-flight microbatches); plan them with `memkit estimate --pipeline` and remove the budget")
+def _is_pipeline(trainer: Trainer) -> bool:
+    """Whether the Trainer runs memkit_pipeline (planned per rank through the strategy's own predictions)."""
+    return callable(getattr(trainer.strategy, "predict_partition", None))
 
 
 def _alive(pl_module: LightningModule, trainer: Trainer, batch: Any) -> Iterator[torch.Tensor]:

@@ -46,7 +46,7 @@ import gc
 import pickle
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -364,6 +364,41 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
                 f"memkit_pipeline: {partition.schedule}, {partition.num_stages} stages of {list(partition.sizes)} "
                 f"layers ({partition.method}); predicted peak per rank [MiB]: {peaks}"
             )
+
+    @property
+    def splits_hf_model(self) -> bool:
+        """Whether the model is a Hugging Face causal LM the strategy cuts itself (then ``fused_loss`` applies)."""
+        return self._hf_name is not None
+
+    def predict_partition(self, trainer: Any, microbatches: int | None = None,
+                          fused_loss: bool | None = None) -> Partition:
+        """The split ``setup`` would choose with these options and each rank's predicted peak, measured as setup
+        measures (``partition="memory"``: one batch of the training loader and the model's optimizer, measured;
+        the other partitions count weights and optimizer state only): for planning before ``setup``, on
+        every rank (rank 0 measures, the others receive the result). The options are unchanged; pass the
+        result to :meth:`use_plan` to run it.
+
+        Example (a callback's ``setup``, before the strategy's)::
+
+            partition = trainer.strategy.predict_partition(trainer, microbatches=8)
+            max(partition.predicted_peak_bytes)  # the busiest rank's peak
+        """
+        config, plan, previous = self.config, self._plan, self.partition
+        try:
+            self.config = replace(config,
+                                  microbatches=config.microbatches if microbatches is None else microbatches,
+                                  fused_loss=config.fused_loss if fused_loss is None else fused_loss)
+            self.partition, self._plan = None, self._build_plan()
+            if not self.optimizers:
+                self.setup_optimizers(trainer)  # their state is part of each rank's peak
+            return self._make_partition(trainer, self._plan.layers)
+        finally:
+            self.config, self._plan, self.partition = config, plan, previous
+
+    def use_plan(self, partition: Partition, fused_loss: bool) -> None:
+        """Run ``partition`` (from :meth:`predict_partition`): its microbatches and split, and ``fused_loss``."""
+        self.config = replace(self.config, microbatches=partition.microbatches, fused_loss=fused_loss)
+        self.partition = partition
 
     @property
     def _sharded(self) -> bool:

@@ -4,7 +4,6 @@ the retry limit, and the runs it does not plan refused."""
 
 from __future__ import annotations
 
-import types
 import warnings
 
 import lightning.pytorch as pl
@@ -12,7 +11,6 @@ import pytest
 from step_faults import OOM, WHERE, InjectOOM, StepLosses
 
 from lightning_memkit.callbacks import MemoryBudget
-from lightning_memkit.callbacks.memory_budget import _refuse_strategy
 from lightning_memkit.callbacks.micro_batch_split import StepRetriesExhausted
 from lightning_memkit.demo import ByteTextDataModule, HFCausalLM, TinyLM, VariableLengthDataModule
 from lightning_memkit.memory import LivePeak
@@ -123,10 +121,3 @@ def test_a_third_error_past_the_retry_limit_stops_with_one_line() -> None:
 def test_no_retry_when_asked_for_none() -> None:
     with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
         _fit_tiny(MemoryBudget("1GiB", max_retries=0), InjectOOM("backward", at_step=1))
-
-
-def test_a_pipeline_run_is_refused_in_one_line() -> None:
-    strategy = type("MemkitPipelineStrategy", (), {})()
-    with pytest.raises(ValueError, match=r"^MemoryBudget plans one device's step and does not plan "
-                                         r"MemkitPipelineStrategy runs .*memkit estimate --pipeline"):
-        _refuse_strategy(types.SimpleNamespace(strategy=strategy))
