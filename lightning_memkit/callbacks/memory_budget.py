@@ -103,6 +103,10 @@ class MemoryBudget(Callback):
     the run without the budget. One line per change and the predicted peak are printed. If nothing fits,
     ``setup`` raises :class:`NoPlanFits` (a ``ValueError``) with the smallest predicted peak and its plan.
 
+    **Pipelines.** Under ``memkit_pipeline`` the plan is per rank: the strategy predicts every rank's peak (its
+    measured split, the schedule's in-flight microbatches) for the run as given, the fused loss, then twice the
+    microbatches, and the first whose busiest rank fits runs (:mod:`~lightning_memkit.callbacks.budget_pipeline`).
+
     **Watch.** On CUDA every step's peak is read (``max_memory_reserved`` after a reset, plus the memory outside
     torch's allocator at ``setup``); on CPU a step is measured with
     :class:`~lightning_memkit.measure.live_peak.LivePeak` during the first two optimizer steps (while the optimizer
