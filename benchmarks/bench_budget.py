@@ -33,9 +33,28 @@ whole-fit peak against the budget, in bytes; its losses per optimizer step again
 (3 steps; the same math when all are within 1e-4); its step time as a ratio to the unbudgeted run's (separate
 fits without ``LivePeak``, 8 optimizer steps, the median after the first 2; the unbudgeted run is timed before
 and after the three configurations of each budget, its mean the reference), and per sample (times 8 over the
-samples an optimizer step trains on); what each chose. A last entry lists every compile trial: the fraction, its
+samples an optimizer step trains on); what each chose. A further entry lists every compile trial: the fraction, its
 whole-fit peak, its compile-and-fit seconds and whether its losses match. One discarded fit of each kind runs
 first, so the one-time imports and initialisation are charged to no case.
+
+Variable lengths (the last entry): the tiny random Llama on ``VariableLengthDataModule`` batches of 8 windows
+whose longest is 32, 128, 256 and 512 bytes in turn (padded per batch, ``labels`` -100 on the padding; 6 batches,
+one epoch, so the FIRST batch is the SHORTEST, 8 x 32, and the fourth the longest, 8 x 512), AdamW, 6 optimizer
+steps on CPU. The unbudgeted run's whole-fit peak sets one budget, 60% of it, measured in the same run. Rows: the
+unbudgeted run; ``MemoryBudget(budget)`` planning on the batch the data module declares (``declare_longest=True``:
+its ``longest_batch()``, the 8 longest windows padded as a batch of them is) and on the batch it finds by scanning
+the data set's sample lengths (``declare_longest=False``), each with the time in its hooks, the plan, the batch it
+planned on (``budget.planned_on``) and its re-plans (``budget.replans``); and ``BatchSizeFinder`` as above,
+guarded at the same budget, on the same data module (it exposes ``batch_size``; the finder regroups the same
+windows into batches of the size it tries). Each of the finder's trials runs only the FIRST 3 batches of the
+loader (at batch 8: lengths 32, 128, 256), so it searches on the first batches only: at batch 8 or below its
+trials never run a window of the 8 x 512 batch the run meets at step 4 (a trial at 16 regroups the windows, and
+its batches hold 512 ones); the row names the largest batch its trials ran and the widest at the size it chose.
+``VariableLengthDataModule`` has no ``val_dataloader``, and Lightning's finder re-creates the validation loader
+after every successful trial: on it as it is the search stops with that error (recorded in the row), and the
+row's fit runs again on the same training data with an empty ``val_dataloader`` added (a benchmark-side
+subclass). The goal: both MemoryBudget runs' whole-fit peaks within the budget, their losses per optimizer step
+within 1e-4 of the unbudgeted run's. ``quick=True`` runs the entry with 4 steps (each length once).
 
     python -m benchmarks.run --only budget --device cpu
 """
@@ -58,7 +77,7 @@ from lightning.pytorch.callbacks import BatchSizeFinder
 
 from benchmarks.common import record
 from lightning_memkit.callbacks import ActivationCheckpointing, FusedLinearCrossEntropy, MemoryBudget
-from lightning_memkit.demo import ByteTextDataModule, HFCausalLM, TinyLM
+from lightning_memkit.demo import ByteTextDataModule, HFCausalLM, TinyLM, VariableLengthDataModule
 from lightning_memkit.memory import LivePeak
 
 THREADS = 1
@@ -70,6 +89,11 @@ FRACTIONS = (0.7, 0.55, 0.4)
 COMPILE_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.0)
 TOLERANCE = 1e-4
 METHODS = ("MemoryBudget", "BatchSizeFinder", "compile budget")
+VAR_KIND = "llama"  # the variable-length entry's model
+VAR_LENGTHS = (32, 128, 256, 512)  # the longest window of each batch in turn: the first batch the shortest
+VAR_STEPS, VAR_QUICK_STEPS = 6, 4  # optimizer steps = batches of its one epoch
+VAR_FRACTION = 0.6
+VAR_MAX_BYTES = 60_000
 
 
 # -- one fit -------------------------------------------------------------------------------------------
@@ -143,13 +167,20 @@ class _Fit:
     prepare: Callable[[pl.LightningModule], None] | None = None
 
 
-def _run_fit(kind: str, how: _Fit, steps: int, root: str, lp: LivePeak | None) -> tuple[list[pl.Callback], float]:
+DataFor = Callable[[int], pl.LightningDataModule]  # the data module of a fit, from its batch size
+
+
+def _run_fit(kind: str, how: _Fit, steps: int, root: str, lp: LivePeak | None,
+             data_for: DataFor | None = None) -> tuple[list[pl.Callback], float]:
     pl.seed_everything(0, verbose=False)
     model = _model(kind)
     if how.prepare is not None:
         how.prepare(model)
-    data = ByteTextDataModule(batch_size=how.batch, seq_len=SEQ, max_bytes=100_000,
-                              samples_per_epoch=BATCH * steps, batch_format="pairs" if kind == "tiny_lm" else "hf")
+    if data_for is not None:
+        data = data_for(how.batch)
+    else:
+        data = ByteTextDataModule(batch_size=how.batch, seq_len=SEQ, max_bytes=100_000, samples_per_epoch=BATCH * steps,
+                                  batch_format="pairs" if kind == "tiny_lm" else "hf")
     callbacks = how.callbacks(lp)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=how.accumulate,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -160,14 +191,15 @@ def _run_fit(kind: str, how: _Fit, steps: int, root: str, lp: LivePeak | None) -
     return callbacks, time.perf_counter() - t0
 
 
-def _measured(kind: str, how: _Fit, root: str) -> tuple[int, list[float], list[pl.Callback], float]:
+def _measured(kind: str, how: _Fit, root: str, data_for: DataFor | None = None,
+              steps: int = STEPS) -> tuple[int, list[float], list[pl.Callback], float]:
     """(whole-fit peak, losses per optimizer step, the callbacks, fit seconds): one LivePeak over the whole fit."""
     losses = _StepLosses()
     inner = how.callbacks
     how = _Fit(how.batch, how.accumulate, lambda lp: [losses, *inner(lp)], how.prepare)
     torch._dynamo.reset()
     with _quiet(), LivePeak() as lp:
-        callbacks, seconds = _run_fit(kind, how, STEPS, root, lp)
+        callbacks, seconds = _run_fit(kind, how, steps, root, lp, data_for)
     return lp.peak_bytes, losses.steps, callbacks[1:], seconds
 
 
@@ -427,6 +459,122 @@ def _case(kind: str, quick: bool, root: str) -> tuple[dict, list[dict]]:
     return entry, trials
 
 
+# -- variable lengths ----------------------------------------------------------------------------------
+class _EmptyValidation(VariableLengthDataModule):
+    """The same training data with an empty validation loader: Lightning's BatchSizeFinder re-creates the validation
+    loader after every successful trial, which a data module without ``val_dataloader`` fails."""
+
+    def val_dataloader(self) -> list:
+        return []
+
+
+def _variable_data(declare: bool, steps: int, cls: type = VariableLengthDataModule) -> DataFor:
+    """``VariableLengthDataModule``: ``steps`` batches of one epoch, the longest windows ``VAR_LENGTHS`` in turn."""
+    return lambda batch: cls(batch_size=batch, lengths=VAR_LENGTHS, batches=steps, max_bytes=VAR_MAX_BYTES,
+                             declare_longest=declare)
+
+
+def _variable_budget(declare: bool, budget: int, root: str, steps: int) -> _Outcome:
+    holder: list[_TimedBudget] = []
+
+    def make(_lp: LivePeak | None) -> list[pl.Callback]:
+        holder.append(_TimedBudget(budget))
+        return holder[-1:]
+
+    try:
+        peak, losses, _, _ = _measured(VAR_KIND, _Fit(callbacks=make), root, _variable_data(declare, steps), steps)
+    except ValueError as err:  # no plan fits: raised at setup, before any step
+        return _Outcome(holder[-1].seconds, chose=f"no plan fits: {err}")
+    except RuntimeError as err:  # a re-plan during the run found nothing that fits, or the retries ran out
+        return _Outcome(holder[-1].seconds, chose=f"failed during the run: {err}")
+    mb = holder[-1]
+    plan = mb.plan
+    words = plan.plan.describe(plan.run.base) if plan.run is not None else "; ".join(mb.changes)
+    measured = "not measured" if mb.measured_peak_bytes is None else f"measured {mb.measured_peak_bytes:,} B"
+    replans = ("no re-plan (budget.replans empty)" if not mb.replans else
+               f"re-planned {len(mb.replans)} time(s): " + "; ".join(f"[{r}]" for r in mb.replans))
+    chose = (f"{words} (planned on {mb.planned_on}; step peak predicted {plan.peak_bytes:,} B, {measured}; "
+             f"{replans})")
+    return _Outcome(mb.seconds, peak, losses, BATCH, chose)
+
+
+def _variable_finder(budget: int, root: str, steps: int) -> _Outcome:
+    """BatchSizeFinder under the guard on the variable-length data; the largest batch its trials ran is noted. On
+    ``VariableLengthDataModule`` as it is the search stops after its first successful trial (no ``val_dataloader``);
+    that error is recorded and the fit run again on the same data with an empty validation loader."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    holder: list[pl.Callback] = []
+    searched: list[tuple[int, int]] = []  # (rows, width) of each forward while the finder searches
+
+    def make(lp: LivePeak | None) -> list[pl.Callback]:
+        holder[:] = _finder(budget)(lp)
+        return list(holder)
+
+    def note(_module: torch.nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        if holder and holder[0].guard.armed:
+            searched.append(tuple(kwargs["input_ids"].shape))
+
+    def prepare(model: pl.LightningModule) -> None:
+        model.model.register_forward_pre_hook(note, with_kwargs=True)
+
+    how, plain = _Fit(callbacks=make, prepare=prepare), ""
+    t0 = time.perf_counter()
+    try:
+        try:
+            peak, losses, callbacks, _ = _measured(VAR_KIND, how, root, _variable_data(True, steps), steps)
+        except MisconfigurationException as err:
+            plain = (f"on VariableLengthDataModule as it is the search stopped after {len(searched)} trial steps: "
+                     f"{type(err).__name__}: {err}; run again with an empty val_dataloader added: ")
+            searched.clear()
+            t0 = time.perf_counter()
+            peak, losses, callbacks, _ = _measured(VAR_KIND, how, root, _variable_data(True, steps, _EmptyValidation),
+                                                   steps)
+    except RuntimeError as err:  # an out-of-memory error outside the search's trials (the restore, the run)
+        return _Outcome(time.perf_counter() - t0, chose=f"{plain}failed: {err}")
+    finder = callbacks[0]
+    size = finder.optimal_batch_size
+    largest = max(searched, key=lambda s: s[0] * s[1]) if searched else None
+    widest = max((w for rows, w in searched if rows == size), default=None)
+    ran = "no trial step ran" if largest is None else f"the largest batch its trials ran {largest[0]}x{largest[1]}"
+    if widest is not None:
+        ran += f", the widest at the batch size it chose {size}x{widest}"
+    chose = (f"{plain}batch size {size} (from {BATCH}; {finder.guard.raised} out-of-memory errors in the search; "
+             f"each trial runs the first {finder._steps_per_trial} batches of the loader: {ran}; the data module "
+             "exposes batch_size, so the finder regroups the same windows into batches of the size it tries)")
+    return _Outcome(finder.seconds, peak, losses, size, chose)
+
+
+def _variable_case(quick: bool, root: str) -> dict:
+    """The entry of the variable-length data: unbudgeted, MemoryBudget declared and scanned, BatchSizeFinder."""
+    steps = VAR_QUICK_STEPS if quick else VAR_STEPS
+    base_peak, base_losses, _, _ = _measured(VAR_KIND, _Fit(), root, _variable_data(True, steps), steps)
+    budget = int(base_peak * VAR_FRACTION)
+    outcomes = {"MemoryBudget declared": _variable_budget(True, budget, root, steps),
+                "MemoryBudget scanned": _variable_budget(False, budget, root, steps),
+                "BatchSizeFinder": _variable_finder(budget, root, steps)}
+    rows = [{"impl": "unbudgeted", "budget B": "", "time to fit s": "", "peak B": base_peak, "fits": "",
+             "samples/step": BATCH, "max abs loss diff": 0.0, "same losses": "yes", "chose": "the run as given"}]
+    verdicts = []
+    for method, o in outcomes.items():
+        fits = "no plan" if o.peak is None else ("yes" if o.peak <= budget else "NO")
+        delta, same = _same(o.losses, base_losses)
+        rows.append({"impl": f"{method} @ {VAR_FRACTION:.0%}", "budget B": budget,
+                     "time to fit s": round(o.seconds, 2), "peak B": "" if o.peak is None else o.peak, "fits": fits,
+                     "samples/step": "" if o.samples is None else o.samples, "max abs loss diff": delta,
+                     "same losses": same, "chose": o.chose})
+        if method.startswith("MemoryBudget"):
+            verdicts.append(fits == "yes" and same == "yes")
+    lengths = ", ".join(map(str, VAR_LENGTHS))
+    case = (f"variable lengths: {_label(VAR_KIND)}, VariableLengthDataModule batch {BATCH}, longest window {lengths} "
+            f"in turn (the first batch the shortest, {BATCH}x{VAR_LENGTHS[0]}; the longest {BATCH}x{VAR_LENGTHS[-1]}), "
+            f"AdamW, {steps} optimizer steps, CPU, {torch.get_num_threads()} thread(s): budget {VAR_FRACTION:.0%} "
+            "of the unbudgeted whole-fit peak")
+    return record("budget", case, "the same fit without a budget (whole-fit LivePeak peak, losses)", rows,
+                  goal=f"MemoryBudget: whole-fit peak within {VAR_FRACTION:.0%} of the unbudgeted peak with the same "
+                       "losses (declared; scanned)", met=all(verdicts))
+
+
 def _warm_up(root: str) -> None:
     """One discarded fit of each kind (plain, planned, guarded, compiled): the one-time imports and initialisation
     are not charged to the first case."""
@@ -447,9 +595,10 @@ def run(device: str = "cpu", quick: bool = False) -> list[dict]:
         with tempfile.TemporaryDirectory() as root, torch._dynamo.config.patch(recompile_limit=64):
             _warm_up(root)
             cases = [_case(kind, quick, root) for kind in (MODELS[:1] if quick else MODELS)]
+            variable = _variable_case(quick, root)
     finally:
         torch.set_num_threads(before)
     trials = record("budget", f"torch.compile activation_memory_budget trials (aot_eager_decomp_partition, {STEPS} "
                     "optimizer steps each, whole-fit LivePeak peak; the fractions the search reached)",
                     "the same fit without a budget, eager", [row for _, rows in cases for row in rows])
-    return [entry for entry, _ in cases] + [trials]
+    return [entry for entry, _ in cases] + [trials, variable]
