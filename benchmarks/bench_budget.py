@@ -76,7 +76,12 @@ import torch
 from lightning.pytorch.callbacks import BatchSizeFinder
 
 from benchmarks.common import record
-from lightning_memkit.callbacks import ActivationCheckpointing, FusedLinearCrossEntropy, MemoryBudget
+from lightning_memkit.callbacks import (
+    ActivationCheckpointing,
+    FusedLinearCrossEntropy,
+    MemoryBudget,
+    MicroBatchSplit,
+)
 from lightning_memkit.demo import ByteTextDataModule, HFCausalLM, TinyLM, VariableLengthDataModule
 from lightning_memkit.memory import LivePeak
 
@@ -320,8 +325,10 @@ def _plan_fit(plan: Any) -> _Fit:
             out.append(ActivationCheckpointing(selective=plan.checkpoint == "selective"))
         if plan.fused_loss:
             out.append(FusedLinearCrossEntropy())
+        if plan.micro_batch < BATCH:  # the split inside the step, as MemoryBudget runs it
+            out.append(MicroBatchSplit(max_rows=plan.micro_batch))
         return out
-    return _Fit(plan.micro_batch, BATCH // plan.micro_batch, make)
+    return _Fit(callbacks=make)
 
 
 # -- one model -----------------------------------------------------------------------------------------
