@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_memkit.callbacks.phase_memory_release import drop_model_log_refs
 from lightning_memkit.common.progress import WorkProgress, progress_enabled
+from lightning_memkit.common.step_output import training_loss
 from lightning_memkit.common.validation import check_bool, check_int
 from lightning_memkit.hf.layers import decoder_layers, kv_cache_off
 from lightning_memkit.measure.allocator_peak import AllocatorPeak
@@ -127,7 +128,7 @@ def _related(a: str, b: str) -> bool:
 
 
 def _loss_of(output: Any) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else output
+    loss = training_loss(output)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise RuntimeError(
             "ActivationCheckpointing(budget_bytes=...) profiles one training_step and needs it to return a loss "

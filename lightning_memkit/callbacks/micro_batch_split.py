@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_memkit.common.batches import WEIGHTS, batch_rows, batch_shape, split_batch
+from lightning_memkit.common.step_output import training_loss
 from lightning_memkit.common.validation import check_choice, check_int
 
 __all__ = ["MicroBatchSplit", "OutOfMemoryStep", "StepRetriesExhausted"]
@@ -468,7 +469,7 @@ def _first_line(err: BaseException) -> str:
 
 
 def _loss_of(output: Any) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else output
+    loss = training_loss(output)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"{_OWNER}: training_step must return a loss tensor or a dict with 'loss' to be split into "
                         f"micro-batches; it returned {type(output).__name__}")

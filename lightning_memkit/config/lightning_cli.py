@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
+from lightning_memkit.common.step_output import training_loss
 from lightning_memkit.common.validation import check_int
 from lightning_memkit.config.errors import (
     CONSTRUCTION_ERRORS,
@@ -79,7 +80,7 @@ class LossTracker(Callback):
         if stepped <= 0:
             return
         self.steps += stepped
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        loss = training_loss(outputs)
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             value = _undivided(loss, self.accumulate if pl_module.automatic_optimization else 1)
             if self.first is None:

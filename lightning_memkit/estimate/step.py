@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from lightning_memkit.common.step_output import training_loss
 from lightning_memkit.common.validation import check_bool, check_choice
 from lightning_memkit.estimate.fast_ops import FastOps
 from lightning_memkit.estimate.trace import (
@@ -215,8 +216,7 @@ def _check_plugin(plugin: Any, precision: str) -> None:
 # -- the step ------------------------------------------------------------------------------------------------
 def step_loss(module: Any, batch: Any) -> torch.Tensor:
     """``module.training_step(batch, 0)``, or its ``"loss"`` when it returns a dict."""
-    out = module.training_step(batch, 0)
-    return out["loss"] if isinstance(out, dict) else out
+    return training_loss(module.training_step(batch, 0))
 
 
 def configured_optimizer(module: Any) -> torch.optim.Optimizer:
