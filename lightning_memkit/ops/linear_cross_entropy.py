@@ -221,7 +221,7 @@ def _finish(dw, db, weight, bias):
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, o, backend, plan, accum_dtype, grad_enabled):
+    def forward(ctx, hidden, weight, bias, target, o, backend, plan, accum_dtype, grad_enabled, loss_dtype):
         h = hidden.shape[-1]
         x = hidden.reshape(-1, h)
         if not x.is_contiguous():
@@ -254,7 +254,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.bias_dtype = None if bias is None else bias.dtype
         elif any(need):
             ctx.save_for_backward(x, weight, bias, t, lse)
-        return reduce_loss(loss_rows, o, n_valid, target.shape, hidden.dtype)
+        return reduce_loss(loss_rows, o, n_valid, target.shape, loss_dtype)
 
     @staticmethod
     @once_differentiable
@@ -289,7 +289,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             dw, db = _finish(dw, db, weight, bias)
         if dx is not None:
             dx = dx.view(ctx.hidden_shape)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _check_inputs(hidden, weight, bias, target, accum_dtype) -> None:
@@ -391,6 +391,8 @@ def linear_cross_entropy(
             budget that forces many chunks prefer ``torch.float32``); ``torch.float32`` keeps an
             fp32 accumulator, cast at the end. ``db`` always accumulates in fp32.
 
+    The loss is float32 for half inputs (the peers' dtype; at least the inputs' and ``accum_dtype``'s
+    precision otherwise); the gradients keep the inputs' dtypes.
     Under ``torch.autocast`` the inputs are cast to the autocast dtype first, like ``F.linear``.
     With ``reduction="mean"``/``"sum"`` the graph can be differentiated once (gradients are built in
     forward); ``reduction="none"`` recomputes in backward and supports ``retain_graph``.
@@ -422,7 +424,10 @@ def linear_cross_entropy(
         check_target(target, n_classes, ignore_index)
     plan = chunk_plan(hidden, weight, max(1, target.numel()), o, impl, chunk_size, chunk_bytes)
     accum = weight.dtype if accum_dtype is None else accum_dtype
+    loss_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32 for half inputs, as the peers return
+    if accum_dtype is not None:
+        loss_dtype = torch.promote_types(loss_dtype, accum_dtype)
     with torch.autocast(dev_type, enabled=False):
         return _LinearCrossEntropyFunction.apply(
-            hidden, weight, bias, target, o, impl, plan, accum, torch.is_grad_enabled()
+            hidden, weight, bias, target, o, impl, plan, accum, torch.is_grad_enabled(), loss_dtype
         )

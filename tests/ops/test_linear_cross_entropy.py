@@ -51,8 +51,8 @@ def test_matches_fp64_oracle(dtype, reduction, opts, bias, chunking):
     our_leaves = _leaves(x, w, b)
     ours = linear_cross_entropy(our_leaves[0], our_leaves[1], target, bias=our_leaves[2], reduction=reduction,
                                 **CHUNKING[chunking], **opts)
-    assert ours.dtype == dtype and ours.shape == oracle.shape
-    ours.backward(grad_out.to(dtype))
+    assert ours.dtype == torch.float32 and ours.shape == oracle.shape  # float32 losses, as the peers return
+    ours.backward(grad_out.to(ours.dtype))
     assert_within(ours.detach(), ref.detach(), oracle.detach(), TOL[dtype], "loss")
     for name, o, r, q in zip(("dx", "dW", "db"), our_leaves, ref_leaves, oracle_leaves):
         if q is not None:
@@ -280,9 +280,9 @@ def test_autocast_casts_like_f_linear():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = linear_cross_entropy(ours[0], ours[1], target, chunk_size=8)
         ref_loss = F.cross_entropy(F.linear(ref[0], ref[1]), target)
-    assert loss.dtype == torch.bfloat16
+    assert loss.dtype == ref_loss.dtype == torch.float32  # autocast runs cross-entropy in float32 too
     loss.backward()
-    ref_loss.float().backward()
+    ref_loss.backward()
     assert ours[1].grad.dtype == torch.float32
     assert torch.allclose(loss.float(), ref_loss.float(), rtol=1e-2)
     assert torch.allclose(ours[1].grad, ref[1].grad, atol=2e-2 * ref[1].grad.abs().max().item())
@@ -383,3 +383,15 @@ def test_on_fake_tensors_the_slab_loops_are_one_product_with_the_same_bytes_and_
     x, w = torch.zeros(96, 32, dtype=torch.bfloat16), torch.zeros(1000, 32, dtype=torch.bfloat16)
     plan = chunk_plan(x, w, 96, type("O", (), {"reduction": reduction, "softcap": None})(), "torch", "auto", 40_000)
     assert 1000 / plan.slab > 10 and 96 / plan.rows > 2  # the loops the fake run does not take
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_half_inputs_give_float32_losses_not_rounded_to_their_dtype(reduction):
+    """Per-token losses of 4 to 10 would lose up to 0.03 to bf16 rounding: the loss stays float32, every reduction,
+    and a float64 accumulation gives a float64 loss."""
+    x, w, _, target = _inputs(torch.bfloat16, False)
+    loss = linear_cross_entropy(x, w, target, reduction=reduction)
+    assert loss.dtype == torch.float32
+    rows = linear_cross_entropy(x, w, target, reduction="none")
+    assert (rows != rows.to(torch.bfloat16).float()).any()  # values bf16 cannot hold: never rounded to it
+    assert linear_cross_entropy(x.float(), w.float(), target, accum_dtype=torch.float64).dtype == torch.float64
