@@ -344,7 +344,11 @@ class _Outcome:
     timed: _Fit | None = None  # the configuration to time (None: nothing fits)
 
 
-def _memory_budget(kind: str, budget: int, root: str) -> _Outcome:
+def _planned_fit(kind: str, budget: int, root: str, data_for: DataFor | None = None, steps: int = STEPS,
+                failures: tuple[type[Exception], ...] = (ValueError,)) -> Any:
+    """A measured fit under ``MemoryBudget(budget)``: ``(the callback, whole-fit peak, losses)``, or the
+    ``_Outcome`` of a failure among ``failures`` (``ValueError``: no plan fits, raised at setup before any step;
+    ``RuntimeError``: a re-plan during the run found nothing that fits, or the retries ran out)."""
     holder: list[_TimedBudget] = []
 
     def make(_lp: LivePeak | None) -> list[pl.Callback]:
@@ -352,16 +356,30 @@ def _memory_budget(kind: str, budget: int, root: str) -> _Outcome:
         return holder[-1:]
 
     try:
-        peak, losses, _, _ = _measured(kind, _Fit(callbacks=make), root)
-    except ValueError as err:  # no plan fits: raised at setup, before any step
-        return _Outcome(holder[-1].seconds, chose=f"no plan fits: {err}")
-    mb = holder[-1]
+        peak, losses, _, _ = _measured(kind, _Fit(callbacks=make), root, data_for, steps)
+    except failures as err:
+        words = "no plan fits" if isinstance(err, ValueError) else "failed during the run"
+        return _Outcome(holder[-1].seconds, chose=f"{words}: {err}")
+    return holder[-1], peak, losses
+
+
+def _plan_words(mb: _TimedBudget) -> tuple[str, str]:
+    """The plan in words, and its step peak predicted and measured."""
     plan = mb.plan
     words = plan.plan.describe(plan.run.base) if plan.run is not None else "; ".join(mb.changes)
     measured = "not measured" if mb.measured_peak_bytes is None else f"measured {mb.measured_peak_bytes:,} B"
-    chose = (f"{words} (step peak predicted {plan.peak_bytes:,} B, {measured}; step time {plan.overhead:+.0%} "
-             f"predicted{'; re-planned once' if mb.replanned else ''})")
-    return _Outcome(mb.seconds, peak, losses, BATCH, chose, _plan_fit(plan.plan))
+    return words, f"step peak predicted {plan.peak_bytes:,} B, {measured}"
+
+
+def _memory_budget(kind: str, budget: int, root: str) -> _Outcome:
+    fitted = _planned_fit(kind, budget, root)
+    if isinstance(fitted, _Outcome):
+        return fitted
+    mb, peak, losses = fitted
+    words, peaks = _plan_words(mb)
+    chose = (f"{words} ({peaks}; step time {mb.plan.overhead:+.0%} predicted"
+             f"{'; re-planned once' if mb.replanned else ''})")
+    return _Outcome(mb.seconds, peak, losses, BATCH, chose, _plan_fit(mb.plan.plan))
 
 
 def _batch_size_finder(kind: str, budget: int, root: str) -> _Outcome:
@@ -482,26 +500,14 @@ def _variable_data(declare: bool, steps: int, cls: type = VariableLengthDataModu
 
 
 def _variable_budget(declare: bool, budget: int, root: str, steps: int) -> _Outcome:
-    holder: list[_TimedBudget] = []
-
-    def make(_lp: LivePeak | None) -> list[pl.Callback]:
-        holder.append(_TimedBudget(budget))
-        return holder[-1:]
-
-    try:
-        peak, losses, _, _ = _measured(VAR_KIND, _Fit(callbacks=make), root, _variable_data(declare, steps), steps)
-    except ValueError as err:  # no plan fits: raised at setup, before any step
-        return _Outcome(holder[-1].seconds, chose=f"no plan fits: {err}")
-    except RuntimeError as err:  # a re-plan during the run found nothing that fits, or the retries ran out
-        return _Outcome(holder[-1].seconds, chose=f"failed during the run: {err}")
-    mb = holder[-1]
-    plan = mb.plan
-    words = plan.plan.describe(plan.run.base) if plan.run is not None else "; ".join(mb.changes)
-    measured = "not measured" if mb.measured_peak_bytes is None else f"measured {mb.measured_peak_bytes:,} B"
+    fitted = _planned_fit(VAR_KIND, budget, root, _variable_data(declare, steps), steps, (ValueError, RuntimeError))
+    if isinstance(fitted, _Outcome):
+        return fitted
+    mb, peak, losses = fitted
     replans = ("no re-plan (budget.replans empty)" if not mb.replans else
                f"re-planned {len(mb.replans)} time(s): " + "; ".join(f"[{r}]" for r in mb.replans))
-    chose = (f"{words} (planned on {mb.planned_on}; step peak predicted {plan.peak_bytes:,} B, {measured}; "
-             f"{replans})")
+    words, peaks = _plan_words(mb)
+    chose = f"{words} (planned on {mb.planned_on}; {peaks}; {replans})"
     return _Outcome(mb.seconds, peak, losses, BATCH, chose)
 
 

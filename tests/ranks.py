@@ -234,3 +234,11 @@ def wait(procs: list[Forked | subprocess.Popen], budget: float, what: str = "run
             pytest.fail(f"the {len(procs)}-process {what} did not finish in {budget:.0f} s (hang)")
         done.append((p.returncode, out))
     return done
+
+
+def collect(script: Path | str, out: Path, world: int, budget: float, what: str, **env: str) -> list[dict]:
+    """Run ``python script out`` as ``world`` ranks (one intra-op thread each), fail the test on a non-zero exit or
+    a hang, and return what each rank wrote to ``out/rank{r}.json``."""
+    for code, log in wait(launch(script, [str(out)], world, OMP_NUM_THREADS="1", **env), budget, what):
+        assert code == 0, log[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

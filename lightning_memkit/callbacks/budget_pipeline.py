@@ -65,8 +65,8 @@ def candidates(strategy: Any, allow: Sequence[str], doublings: int = DOUBLINGS) 
             yield microbatches, fused
 
 
-def plan_pipeline(trainer: Any, limit: int, allow: Sequence[str], say: Any) -> tuple[PipelinePlan, list[str],
-                                                                                        PipelinePlan]:
+def plan_pipeline(trainer: Any, limit: int, allow: Sequence[str],
+                  say: Any) -> tuple[PipelinePlan | None, list[str], PipelinePlan | None]:
     """The first candidate whose busiest rank is predicted within ``limit`` bytes, the changes it makes in words,
     and the smallest prediction seen; ``(None, [], best)`` when none fits. Every rank calls it (the strategy's
     measurement is rank 0's, broadcast)."""
