@@ -169,3 +169,31 @@ def test_recovery_across_processes_only_under_ddp():
     assert _recoverable_on(types.SimpleNamespace(world_size=1, strategy=FSDPStrategy()))
     assert _recoverable_on(types.SimpleNamespace(world_size=2, strategy=DDPStrategy()))
     assert not _recoverable_on(types.SimpleNamespace(world_size=2, strategy=FSDPStrategy()))
+
+
+def _fit_family(family: str, *callbacks, peft: bool = False) -> list[float]:
+    pl.seed_everything(0, verbose=False)
+    losses = StepLosses()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]} if peft else None
+        model = HFCausalLM(family=family, hidden_size=32, num_layers=1, vocab_size=256, peft_lora=lora)
+        data = VariableLengthDataModule(batch_size=7, lengths=(9, 24, 16), batches=6, max_bytes=50_000)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                             accumulate_grad_batches=2, callbacks=[losses, *callbacks])
+        trainer.fit(model, data)
+    return losses.steps
+
+
+@pytest.mark.parametrize("family, where, peft", [("qwen3_moe", "forward", False), ("gpt_oss", "backward", False),
+                                                 ("qwen3_moe", "forward", True)], ids=["qwen3_moe", "gpt_oss", "peft"])
+def test_moe_and_peft_models_recover_an_out_of_memory_step_with_the_same_losses(family, where, peft) -> None:
+    """MoE families (and a peft-wrapped one): the budget's recovery re-plans (micro-batches, fused loss) and runs
+    the window again; the router and the experts see the same tokens, so the losses are the uninterrupted run's."""
+    from lightning_memkit.callbacks import MemoryBudget
+
+    fault, budget = InjectOOM(where, at_step=1, micro=2), MemoryBudget("1GiB")
+    losses = _fit_family(family, budget, fault, peft=peft)
+    assert fault.raised == 1 and budget.replans[0].why == f"out of memory in the {where}"
+    assert losses == pytest.approx(_fit_family(family, peft=peft), abs=1e-4)
