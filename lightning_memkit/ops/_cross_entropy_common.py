@@ -34,6 +34,9 @@ __all__ = [
     "row_floor",
     "check_chunk_size",
     "grad_base_scale",
+    "ClassWeights",
+    "class_weighting",
+    "check_class_weights",
     "torch_rows",
     "triton_kernels",
 ]
@@ -219,6 +222,56 @@ def grad_base_scale(target: torch.Tensor, o: CrossEntropyOptions) -> tuple[torch
     return None, torch.ones(1, dtype=torch.float32, device=target.device)
 
 
+@dataclass(frozen=True)
+class ClassWeights:
+    """Per-class weights as the row math uses them (all fp32, on the target's device, no host sync).
+
+    ``weight``: ``(V,)``; ``total``: ``(1,)`` ``weight.sum()`` (label smoothing's term); ``z_scale``: ``(1,)``
+    factor of the z-loss coefficient, or ``None`` (1). With ``reduction="mean"`` the weighted loss divides by the
+    summed weight of the kept targets (torch's ``weight=``) and the z-loss by their count (Liger-Kernel's
+    ``ce_weight``): the z-loss coefficient is scaled by ``weight_sum / count`` so one division serves both.
+    """
+
+    weight: torch.Tensor
+    total: torch.Tensor
+    z_scale: torch.Tensor | None
+
+
+def check_class_weights(class_weights, n_classes: int, device: torch.device) -> None:
+    """Raise unless ``class_weights`` is ``None`` or a floating ``(n_classes,)`` tensor on ``device``."""
+    if class_weights is None:
+        return
+    if not isinstance(class_weights, torch.Tensor) or not class_weights.is_floating_point():
+        raise TypeError(f"class_weights must be a floating-point tensor of shape ({n_classes},) or None, got "
+                        f"{getattr(class_weights, 'dtype', type(class_weights).__name__)}")
+    if tuple(class_weights.shape) != (n_classes,):
+        raise ValueError(f"class_weights must have shape ({n_classes},) (one weight per class), got "
+                         f"{tuple(class_weights.shape)}")
+    if class_weights.device != device:
+        raise ValueError(f"class_weights is on {class_weights.device} but the inputs are on {device}")
+
+
+def class_weighting(
+    class_weights: torch.Tensor | None, target: torch.Tensor, o: CrossEntropyOptions
+) -> tuple[ClassWeights | None, torch.Tensor | None, torch.Tensor]:
+    """``(weights, denominator, base)``: :func:`grad_base_scale` with per-class weights (``None``: unweighted).
+
+    With weights and ``reduction="mean"`` the denominator is the kept targets' summed weight, as torch's
+    ``F.cross_entropy(weight=...)``. No host sync.
+    """
+    if class_weights is None:
+        return (None, *grad_base_scale(target, o))
+    w = class_weights.detach().to(torch.float32)
+    total = w.sum().reshape(1)
+    if o.reduction != "mean":
+        return ClassWeights(w, total, None), None, torch.ones(1, dtype=torch.float32, device=target.device)
+    valid = target != o.ignore_index
+    kept = torch.where(valid, target, 0)
+    denom = (w[kept] * valid).sum()
+    count = valid.sum().to(torch.float32)
+    return ClassWeights(w, total, (denom / count).reshape(1)), denom, (1.0 / denom).reshape(1)
+
+
 def _row_masks(target: torch.Tensor, n_classes: int, ignore_index: int):
     valid = target != ignore_index
     ok = valid & (target >= 0) & (target < n_classes)
@@ -242,6 +295,7 @@ def torch_rows(
     grad_scale: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
+    weights: ClassWeights | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Loss and log-sum-exp of a chunk of rows, and optionally their gradient, in place.
 
@@ -252,6 +306,8 @@ def torch_rows(
             ``dloss/dlogits * grad_scale`` on return (0 for ignored rows, NaN for bad ones).
         lse: the rows' log-sum-exp when already known (backward); the loss is then not computed.
         keep: ``(r, V)`` float32 scratch, required when ``softcap`` is set and a gradient is wanted.
+        weights: per-class weights (:class:`ClassWeights`); the row math is then, with ``w_t`` the target's
+            weight and ``W`` their sum: ``(1 - eps) * w_t * (lse - z_t) + eps / V * (W * lse - w . z) + zl * lse**2``.
 
     Returns:
         ``(loss, lse)``: float32 ``(r,)`` each; ``loss`` is ``None`` when ``lse`` was given.
@@ -261,6 +317,8 @@ def torch_rows(
     cap = o.softcap
     ok, bad, safe = _row_masks(target, n_classes, o.ignore_index)
     want_grad = grad_scale is not None
+    zl = o.z_loss if weights is None or weights.z_scale is None or not o.z_loss else o.z_loss * weights.z_scale
+    w_t = None if weights is None else torch.where(ok, weights.weight[safe], 0.0)
     if cap is not None:
         if want_grad and keep is None:
             raise ValueError("torch_rows: softcap with a gradient needs the keep buffer")
@@ -268,17 +326,15 @@ def torch_rows(
     loss = None
     if lse is None:
         zt = z.gather(1, safe.unsqueeze(1)).squeeze(1)
-        zsum = z.sum(1) if eps > 0.0 else None
+        zsum = None
+        if eps > 0.0:
+            zsum = z.sum(1) if weights is None else z @ weights.weight
         m = z.amax(1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         z.sub_(m).exp_()
         s = z.sum(1, keepdim=True)
         lse = (m + s.log()).squeeze(1)
-        loss = lse - (1.0 - eps) * zt
-        if zsum is not None:
-            loss = loss - (eps / n_classes) * zsum
-        if o.z_loss:
-            loss = loss + o.z_loss * lse * lse
+        loss = _row_loss(lse, zt, zsum, eps, n_classes, zl, w_t, weights)
         fill = torch.where(bad, float("nan"), 0.0).to(loss.dtype)
         loss = torch.where(ok, loss, fill)
         inv_s = s.reciprocal_().squeeze(1)  # z holds exp(z - m); p = z / s
@@ -286,19 +342,55 @@ def torch_rows(
         z.sub_(lse.unsqueeze(1)).exp_()  # z holds p
         inv_s = None
     if want_grad:
-        gs = torch.where(ok, grad_scale.to(torch.float32), 0.0)
-        gs = torch.where(bad, float("nan"), gs)
-        coef = gs * (1.0 + 2.0 * o.z_loss * lse) if o.z_loss else gs
-        if inv_s is not None:
-            coef = coef * inv_s
-        z.mul_(coef.unsqueeze(1))
-        if eps > 0.0:
-            z.sub_((gs * (eps / n_classes)).unsqueeze(1))
-        z.scatter_add_(1, safe.unsqueeze(1), (gs * -(1.0 - eps)).unsqueeze(1))
+        _row_grad(z, lse, inv_s, grad_scale, ok, bad, safe, eps, zl, w_t, weights)
         if cap is not None:
             keep.square_().neg_().add_(1.0)  # d(cap * tanh(x / cap))/dx = 1 - tanh^2
             z.mul_(keep)
     return loss, lse
+
+
+def _row_loss(lse, zt, zsum, eps, n_classes, zl, w_t, weights):
+    """Per-row loss from the log-sum-exp, the target logit and (with smoothing) the (weighted) logit sum."""
+    if weights is None:
+        loss = lse - (1.0 - eps) * zt
+        if zsum is not None:
+            loss = loss - (eps / n_classes) * zsum
+    else:
+        loss = (1.0 - eps) * w_t * (lse - zt)
+        if zsum is not None:
+            loss = loss + (eps / n_classes) * (weights.total * lse - zsum)
+    if _has_z(zl):
+        loss = loss + zl * lse * lse
+    return loss
+
+
+def _has_z(zl) -> bool:
+    """Whether a z-loss coefficient (a float or a 1-element tensor) is in use."""
+    return isinstance(zl, torch.Tensor) or bool(zl)
+
+
+def _row_grad(z, lse, inv_s, grad_scale, ok, bad, safe, eps, zl, w_t, weights) -> None:
+    """Overwrite ``z`` (``exp(z - m)``, or ``p`` when ``inv_s`` is None) with the scaled gradient of the row losses."""
+    n_classes = z.shape[1]
+    gs = torch.where(ok, grad_scale.to(torch.float32), 0.0)
+    gs = torch.where(bad, float("nan"), gs)
+    if weights is None:
+        coef = gs * (1.0 + 2.0 * zl * lse) if _has_z(zl) else gs
+        target_coef = gs * -(1.0 - eps)
+    else:
+        p_coef = (1.0 - eps) * w_t + (eps / n_classes) * weights.total
+        if _has_z(zl):
+            p_coef = p_coef + 2.0 * zl * lse
+        coef = gs * p_coef
+        target_coef = gs * -(1.0 - eps) * w_t
+    if inv_s is not None:
+        coef = coef * inv_s
+    z.mul_(coef.unsqueeze(1))
+    if eps > 0.0 and weights is None:
+        z.sub_((gs * (eps / n_classes)).unsqueeze(1))
+    elif eps > 0.0:
+        z.addr_(gs, weights.weight, alpha=-(eps / n_classes))
+    z.scatter_add_(1, safe.unsqueeze(1), target_coef.unsqueeze(1))
 
 
 def reduce_loss(loss_rows: torch.Tensor, o: CrossEntropyOptions, n_valid: torch.Tensor | None, shape, dtype):

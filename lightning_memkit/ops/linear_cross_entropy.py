@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -50,17 +51,27 @@ from torch.autograd.function import once_differentiable
 from lightning_memkit.common.validation import check_int
 from lightning_memkit.measure.device import free_device_memory
 from lightning_memkit.ops._cross_entropy_common import (
+    ClassWeights,
     CrossEntropyOptions,
     budget_rows,
     check_backend,
     check_chunk_size,
+    check_class_weights,
     check_target,
     chunk_budget,
-    grad_base_scale,
+    class_weighting,
     reduce_loss,
     row_floor,
     torch_rows,
     triton_kernels,
+)
+from lightning_memkit.ops._head_numerics import (
+    HALF,
+    check_logits_dtype,
+    head_softcap,
+    head_softcap_backward,
+    mm_float32,
+    native_half_matmul,
 )
 from lightning_memkit.ops.cross_entropy import check_logits_target, kernel_args, scale_for_backward
 
@@ -87,27 +98,49 @@ def _addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
-class _Chunker:
-    """The per-chunk work shared by forward and the ``reduction="none"`` backward."""
+class _Setup(NamedTuple):
+    """What a call fixes besides its tensors (checked before any work)."""
 
-    def __init__(self, x, weight, bias, target, o, backend, plan, accum_dtype):
-        self.x, self.w, self.b, self.t, self.o = x, weight, bias, target, o
-        self.backend, self.rows, self.slab, self.accum_dtype = backend, plan.rows, plan.slab, accum_dtype
+    o: CrossEntropyOptions
+    backend: str
+    plan: ChunkPlan
+    accum_dtype: torch.dtype
+    round_to: torch.dtype | None  # the logits and their gradient rounded to it; None: kept in float32
+    class_weights: torch.Tensor | None
+    keep_inputs: bool  # return_lse: the inputs are saved for the log-sum-exp's gradient
+    accuracy: bool  # return_accuracy: each token's argmax compared with its target
+
+
+class _Chunker:
+    """The per-chunk work shared by forward and the backward passes."""
+
+    def __init__(self, x, weight, bias, target, setup: _Setup, weights: ClassWeights | None):
+        o = setup.o
+        self.x, self.w, self.b, self.t = x, weight, bias, target
+        self.backend, self.rows, self.slab, self.accum_dtype = setup.backend, setup.plan.rows, setup.plan.slab, \
+            setup.accum_dtype
+        self.weights, self.round_to = weights, setup.round_to
         n, v = x.shape[0], weight.shape[0]
-        dev = x.device
-        # Triton works on logits in the compute dtype; the PyTorch path on an fp32 chunk.
-        zdtype = x.dtype if backend == "triton" else torch.float32
-        self.buf = torch.empty(min(self.rows, max(n, 1)), v, dtype=zdtype, device=dev)
+        rows, dev = min(self.rows, max(n, 1)), x.device
+        # softcap in the head's dtype (transformers' order of roundings) before the rows' math, which then has none
+        self.cap = o.softcap if setup.round_to is not None else None
+        self.o = o if self.cap is None else dataclasses.replace(o, softcap=None)
+        # Triton reads logits in the compute dtype; the PyTorch path an fp32 chunk
+        triton_half = self.backend == "triton" and setup.round_to is not None
+        self.buf = torch.empty(rows, v, dtype=x.dtype if triton_half else torch.float32, device=dev)
+        self.half = None if setup.round_to is None or triton_half else torch.empty(rows, v, dtype=x.dtype, device=dev)
         self.keep = self.whole = None
-        if backend == "torch" and o.softcap is not None:
+        if self.cap is not None:
+            self.keep = torch.empty(rows, v, dtype=x.dtype, device=dev)
+        elif self.backend == "torch" and o.softcap is not None:
             self.keep = torch.empty_like(self.buf)
-        self.kargs = kernel_args(o)
+        self.kargs = kernel_args(self.o)
         if self.slab:  # reused fp32 buffers (fresh allocations of this size cost page faults on every chunk)
-            h, rows = x.shape[1], self.buf.shape[0]
+            h = x.shape[1]
             self.xf = torch.empty(rows, h, dtype=torch.float32, device=dev)
             self.dxf = torch.empty_like(self.xf)
             self.wf = torch.empty(min(self.slab, v), h, dtype=torch.float32, device=dev)
-            self.prod = torch.empty_like(self.wf) if accum_dtype != torch.float32 else None
+            self.prod = torch.empty_like(self.wf) if self.accum_dtype != torch.float32 else None
             # fake tensors hold no values: the whole weight as rows of the slab buffer (a view, no storage) stands
             # for the slab loop in one product of the same dimensions
             self.whole = self.wf[:1].expand(v, h) if is_fake(x) else None
@@ -123,26 +156,46 @@ class _Chunker:
             yield s, e, wf
 
     def logits(self, a: int, b: int) -> torch.Tensor:
+        """The chunk's logits as the loss sees them (rounded and soft-capped in the head's dtype where asked)."""
         z = self.buf[: b - a]
         xc = self.x[a:b]
         if self.slab:  # fp16/bf16 on CPU: fp32 matmuls, one slab of weight rows at a time
-            xf = self.xf[: b - a]
-            xf.copy_(xc)
-            if self.whole is not None:
-                torch.mm(xf, self.whole.t(), out=z)
-            for s, e, wf in self._slabs():
-                torch.mm(xf, wf.t(), out=z[:, s:e])
+            self._upcast_logits(xc, z)
+        elif z.dtype == xc.dtype:  # fp32 inputs, or Triton's logits in the head's dtype
+            self._product(xc, z)
+        elif self.half is not None:  # a GEMM in the head's dtype, rounded once (as F.linear)
+            self._product(xc, self.half[: b - a])
+        else:  # float32 logits of half inputs
+            mm_float32(xc, self.w.t(), z)
             if self.b is not None:
                 z.add_(self.b)
-        elif z.dtype == xc.dtype:
-            if self.b is not None:
-                torch.addmm(self.b.to(z.dtype), xc, self.w.t(), out=z)
-            else:
-                torch.mm(xc, self.w.t(), out=z)
+        return self._finish_logits(z, b - a)
+
+    def _product(self, xc, out) -> None:
+        if self.b is not None:
+            torch.addmm(self.b.to(out.dtype), xc, self.w.t(), out=out)
         else:
-            z.copy_(torch.mm(xc, self.w.t()))
-            if self.b is not None:
-                z.add_(self.b)
+            torch.mm(xc, self.w.t(), out=out)
+
+    def _upcast_logits(self, xc, z) -> None:
+        xf = self.xf[: xc.shape[0]]
+        xf.copy_(xc)
+        if self.whole is not None:
+            torch.mm(xf, self.whole.t(), out=z)
+        for s, e, wf in self._slabs():
+            torch.mm(xf, wf.t(), out=z[:, s:e])
+        if self.b is not None:
+            z.add_(self.b)
+        if self.half is not None:
+            self.half[: xc.shape[0]].copy_(z)  # rounded once, as a GEMM in the head's dtype
+
+    def _finish_logits(self, z, r: int) -> torch.Tensor:
+        """Soft-cap the rounded logits in the head's dtype, then hand the loss its float32 (or Triton) chunk."""
+        half = z if self.half is None else self.half[:r]
+        if self.cap is not None:
+            head_softcap(half, self.cap, self.keep[:r])
+        if half is not z:
+            z.copy_(half)
         return z
 
     def loss_and_grad(self, z, a, b, *, grad_scale, lse=None):
@@ -153,31 +206,49 @@ class _Chunker:
             gs = grad_scale[a:b] if grad_scale.numel() > 1 else grad_scale
         if self.backend == "triton":
             loss = None if lse is not None else torch.empty(b - a, dtype=torch.float32, device=z.device)
+            extra = {}
+            if self.weights is not None:
+                extra = dict(weight=self.weights.weight, weight_sum=self.weights.total, z_scale=self.weights.z_scale)
             out = triton_kernels().ce_rows(
                 z, t, loss=loss, lse=lse, lse_known=lse is not None, grad=z if gs is not None else None,
-                grad_scale=gs, **self.kargs,
+                grad_scale=gs, **self.kargs, **extra,
             )
             return loss, out
-        keep = None if self.keep is None else self.keep[: b - a]
-        return torch_rows(z, t, self.o, grad_scale=gs, lse=lse, keep=keep)
+        keep = None if self.keep is None or self.cap is not None else self.keep[: b - a]
+        return torch_rows(z, t, self.o, grad_scale=gs, lse=lse, keep=keep, weights=self.weights)
 
-    def accumulate(self, g, a, b, dx, dw, db) -> None:
+    def gradient(self, z: torch.Tensor) -> torch.Tensor:
+        """The chunk's gradient w.r.t. the logits as the head's backward products take it (``z`` holds it in fp32,
+        or in the head's dtype on Triton): rounded to the head's dtype and through its softcap where asked."""
+        r = z.shape[0]
+        g = z if self.half is None else self.half[:r]
+        if g is not z:
+            g.copy_(z)  # the rounding of the loss's float32 gradient to the head's dtype (``.float()``'s backward)
+        if self.cap is not None:
+            head_softcap_backward(g, self.cap, self.keep[:r])
+        if self.slab and g is not z:
+            z.copy_(g)  # the fp32 matmuls take the rounded values
+            return z
+        return g
+
+    def accumulate(self, g, a, b, dx, dw, db, *, add: bool = False) -> None:
         """Turn the chunk gradient ``g`` (``dloss/dlogits``) into its share of ``dx``, ``dW``, ``db``."""
         if self.slab:
-            self._accumulate_upcast(g, a, b, dx, dw)
+            self._accumulate_upcast(g, a, b, dx, dw, add)
         else:
             xc = self.x[a:b]
             if dx is not None:
-                if g.dtype == self.w.dtype:
-                    torch.mm(g, self.w, out=dx[a:b])
+                gw = g if g.dtype == self.w.dtype else g.to(self.w.dtype)
+                if add:
+                    dx[a:b].addmm_(gw, self.w)
                 else:
-                    dx[a:b] = torch.mm(g.to(self.w.dtype), self.w)
+                    torch.mm(gw, self.w, out=dx[a:b])
             if dw is not None:
                 _addmm_into(dw, g.t(), xc)
         if db is not None:
             db.add_(g.sum(0, dtype=torch.float32))
 
-    def _accumulate_upcast(self, g, a, b, dx, dw) -> None:
+    def _accumulate_upcast(self, g, a, b, dx, dw, add) -> None:
         xf, dxf = self.xf[: b - a], self.dxf[: b - a]
         dxf.zero_()
         if self.whole is not None:  # fake tensors: one product per loop product, the same dimensions and FLOPs
@@ -198,12 +269,30 @@ class _Chunker:
                     prod = self.prod[: e - s]
                     torch.mm(gs.t(), xf, out=prod)
                     dw[s:e].add_(prod)
-        if dx is not None:
+        if dx is not None and add:
+            dx[a:b].add_(dxf)
+        elif dx is not None:
             dx[a:b].copy_(dxf)
 
+    def lse_gradient(self, z, a, b, lse, lse_grad) -> torch.Tensor:
+        """The chunk's gradient of ``sum(lse * lse_grad)`` w.r.t. the logits (``z`` holds the logits)."""
+        zf = z if z.dtype == torch.float32 else z.float()
+        cap = self.o.softcap  # a float32 softcap of the rows' math (None when it ran in the head's dtype)
+        th = None
+        if cap is not None:
+            th = torch.tanh(zf / cap)
+            zf = th * cap
+        valid = self.t[a:b] != self.o.ignore_index
+        p = torch.exp(zf - lse.unsqueeze(1)) * torch.where(valid, lse_grad.to(torch.float32), 0.0).unsqueeze(1)
+        if th is not None:
+            p.mul_(1.0 - th * th)
+        z.copy_(p)
+        return self.gradient(z)
 
-def _buffers(x, weight, bias, accum_dtype, need):
-    dx = torch.empty_like(x) if need[0] else None
+
+def _buffers(x, weight, bias, accum_dtype, need, zero=False):
+    new = torch.zeros_like if zero else torch.empty_like
+    dx = new(x) if need[0] else None
     dw = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if need[1] else None
     # db costs V values: always accumulated in fp32 (or wider), cast at the end
     db_dtype = torch.promote_types(accum_dtype, torch.float32)
@@ -211,17 +300,29 @@ def _buffers(x, weight, bias, accum_dtype, need):
     return dx, dw, db
 
 
-def _finish(dw, db, weight, bias):
-    if dw is not None and dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
-    if db is not None and db.dtype != bias.dtype:
-        db = db.to(bias.dtype)
+def _finish(dw, db, weight_dtype, bias_dtype):
+    if dw is not None and dw.dtype != weight_dtype:
+        dw = dw.to(weight_dtype)
+    if db is not None and db.dtype != bias_dtype:
+        db = db.to(bias_dtype)
     return dw, db
+
+
+def _lse_pass(ctx, x, weight, bias, t, lse, lse_grad, grads) -> None:
+    """Add the gradient of the returned log-sum-exp (``lse_grad`` per token) into ``grads``: one recompute pass."""
+    ch = _Chunker(x, weight, bias, t, ctx.setup, ctx.weights)
+    rows = ctx.setup.plan.rows
+    dx, dw, db = grads
+    for a in range(0, x.shape[0], rows):
+        b = min(a + rows, x.shape[0])
+        g = ch.lse_gradient(ch.logits(a, b), a, b, lse[a:b], lse_grad[a:b])
+        ch.accumulate(g, a, b, dx, dw, db, add=True)
 
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, o, backend, plan, accum_dtype, grad_enabled, loss_dtype):
+    def forward(ctx, hidden, weight, bias, target, setup, grad_enabled, loss_dtype):
+        o = setup.o
         h = hidden.shape[-1]
         x = hidden.reshape(-1, h)
         if not x.is_contiguous():
@@ -231,65 +332,90 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         ng = ctx.needs_input_grad
         need = (grad_enabled and ng[0], grad_enabled and ng[1], grad_enabled and bias is not None and ng[2])
         in_forward = any(need) and o.reduction != "none"
-        n_valid, base = grad_base_scale(t, o)
-        ch = _Chunker(x, weight, bias, t, o, backend, plan, accum_dtype)
-        rows = plan.rows
+        weights, denom, base = class_weighting(setup.class_weights, t, o)
+        ch = _Chunker(x, weight, bias, t, setup, weights)
         loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
-        dx, dw, db = _buffers(x, weight, bias, accum_dtype, need) if in_forward else (None, None, None)
-        for a in range(0, n, rows):
-            b = min(a + rows, n)
+        correct = torch.empty(n if setup.accuracy else 0, dtype=torch.bool, device=x.device)
+        dx, dw, db = _buffers(x, weight, bias, setup.accum_dtype, need) if in_forward else (None, None, None)
+        for a in range(0, n, setup.plan.rows):
+            b = min(a + setup.plan.rows, n)
             z = ch.logits(a, b)
+            if setup.accuracy:  # the logits as the loss sees them, before the rows' math overwrites them
+                correct[a:b] = z.argmax(1) == t[a:b]
             loss_c, lse_c = ch.loss_and_grad(z, a, b, grad_scale=base if in_forward else None)
             loss_rows[a:b] = loss_c
             lse[a:b] = lse_c
             if in_forward:
-                ch.accumulate(z, a, b, dx, dw, db)
+                ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
         del ch
-        ctx.o, ctx.backend, ctx.plan, ctx.accum_dtype = o, backend, plan, accum_dtype
-        ctx.in_forward, ctx.need, ctx.hidden_shape = in_forward, need, hidden.shape
-        if in_forward:
-            ctx.grads = (dx, dw, db)
-            ctx.weight_dtype = weight.dtype
-            ctx.bias_dtype = None if bias is None else bias.dtype
-        elif any(need):
+        valid = t != o.ignore_index
+        if setup.accuracy:
+            correct &= valid
+        ctx.setup, ctx.in_forward, ctx.need, ctx.hidden_shape = setup, in_forward, need, hidden.shape
+        ctx.weights = weights
+        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
+        ctx.grads = (dx, dw, db) if in_forward else None
+        if any(need) and (not in_forward or setup.keep_inputs):
             ctx.save_for_backward(x, weight, bias, t, lse)
-        return reduce_loss(loss_rows, o, n_valid, target.shape, loss_dtype)
+        ctx.set_materialize_grads(False)
+        if setup.keep_inputs:
+            lse_out = torch.where(valid, lse, 0.0).reshape(target.shape)
+        else:
+            lse_out = lse.new_empty(0)
+            ctx.mark_non_differentiable(lse_out)
+        ctx.mark_non_differentiable(correct)
+        return reduce_loss(loss_rows, o, denom, target.shape, loss_dtype), lse_out, correct
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse, _grad_correct):
         if ctx.in_forward:
-            if ctx.grads is None:
-                raise RuntimeError(
-                    "linear_cross_entropy with reduction='mean'/'sum' can be differentiated once: its gradients "
-                    "were computed in forward and have been handed out"
-                )
-            dx, dw, db = ctx.grads
-            ctx.grads = None
-            for g in (dx, dw, db):
-                if g is not None:
-                    g.mul_(grad_out)
-            if dw is not None and dw.dtype != ctx.weight_dtype:
-                dw = dw.to(ctx.weight_dtype)
-            if db is not None and db.dtype != ctx.bias_dtype:
-                db = db.to(ctx.bias_dtype)
+            grads = _forward_grads(ctx, grad_out)
         else:
+            grads = _recomputed_grads(ctx, grad_out)
+        if grad_lse is not None and any(ctx.need):
             x, weight, bias, t, lse = ctx.saved_tensors
-            o, rows = ctx.o, ctx.plan.rows
-            scale = scale_for_backward(grad_out, None, o.reduction)
-            ch = _Chunker(x, weight, bias, t, o, ctx.backend, ctx.plan, ctx.accum_dtype)
-            dx, dw, db = _buffers(x, weight, bias, ctx.accum_dtype, ctx.need)
-            for a in range(0, x.shape[0], rows):
-                b = min(a + rows, x.shape[0])
-                z = ch.logits(a, b)
-                ch.loss_and_grad(z, a, b, grad_scale=scale, lse=lse[a:b])
-                ch.accumulate(z, a, b, dx, dw, db)
-            del ch
-            dw, db = _finish(dw, db, weight, bias)
+            _lse_pass(ctx, x, weight, bias, t, lse, grad_lse.reshape(-1), grads)
+        dx, dw, db = grads
+        dw, db = _finish(dw, db, ctx.weight_dtype, ctx.bias_dtype)
         if dx is not None:
             dx = dx.view(ctx.hidden_shape)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None
+
+
+def _forward_grads(ctx, grad_out):
+    """The gradients built in forward, scaled in place by the loss's upstream gradient (0 when it has none)."""
+    if ctx.grads is None:
+        raise RuntimeError(
+            "linear_cross_entropy with reduction='mean'/'sum' can be differentiated once: its gradients "
+            "were computed in forward and have been handed out"
+        )
+    grads, ctx.grads = ctx.grads, None
+    for g in grads:
+        if g is not None and grad_out is None:
+            g.zero_()
+        elif g is not None:
+            g.mul_(grad_out)
+    return grads
+
+
+def _recomputed_grads(ctx, grad_out):
+    """``reduction="none"``: the gradients of the per-token losses, recomputing the logits chunk by chunk."""
+    x, weight, bias, t, lse = ctx.saved_tensors
+    setup = ctx.setup
+    grads = _buffers(x, weight, bias, setup.accum_dtype, ctx.need, zero=grad_out is None)
+    if grad_out is None:
+        return grads
+    dx, dw, db = grads
+    scale = scale_for_backward(grad_out, None, setup.o.reduction)
+    ch = _Chunker(x, weight, bias, t, setup, ctx.weights)
+    for a in range(0, x.shape[0], setup.plan.rows):
+        b = min(a + setup.plan.rows, x.shape[0])
+        z = ch.logits(a, b)
+        ch.loss_and_grad(z, a, b, grad_scale=scale, lse=lse[a:b])
+        ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
+    return grads
 
 
 def _check_inputs(hidden, weight, bias, target, accum_dtype) -> None:
@@ -320,28 +446,39 @@ class ChunkPlan(NamedTuple):
     slab: int
 
 
-def _upcast(x: torch.Tensor, backend: str) -> bool:
-    return backend == "torch" and x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16)
+def _upcast(x: torch.Tensor, backend: str, round_to: torch.dtype | None) -> bool:
+    """fp32 matmuls on fp32 copies: half inputs on a CPU, for float32 logits or where half GEMMs are emulated."""
+    if backend != "torch" or x.device.type != "cpu" or x.dtype not in HALF:
+        return False
+    return round_to is None or not native_half_matmul(x.dtype)
 
 
-def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes) -> ChunkPlan:
-    """The chunk rows (and fp32 weight slab rows on the CPU fp16/bf16 path) for ``linear_cross_entropy``."""
+def _row_bytes(hidden, v: int, o, backend: str, round_to) -> tuple[int, int]:
+    """``(logits, all)``: bytes per chunk row of the logits buffer, and of every per-row buffer of a chunk."""
+    half = hidden.element_size()
+    logit = v * (half if backend == "triton" and round_to is not None else 4)
+    extra = 0
+    if o.softcap is not None:  # softcap's saved tanh: in the head's dtype, or fp32 on the PyTorch path
+        extra += v * half if round_to is not None else (4 * v if backend == "torch" else 0)
+    if round_to is not None and backend == "torch":  # the chunk in the head's dtype (GEMM output, rounding)
+        extra += v * half
+    return logit, logit + extra
+
+
+def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes, round_to=None) -> ChunkPlan:
+    """The chunk rows (and fp32 weight slab rows on the CPU upcast path) for ``linear_cross_entropy``."""
     h, v = weight.shape[1], weight.shape[0]
     auto = chunk_size == "auto" and chunk_bytes is None
     free = free_device_memory(hidden.device) if auto else None
     if chunk_bytes is None:
         grad_bytes = (weight.numel() + n_rows * h) * hidden.element_size()
         chunk_bytes = chunk_budget(grad_bytes, o.reduction, free)
-    # bytes per row of the chunk buffers: fp32 logits (the compute dtype on Triton), a second fp32 buffer for
-    # softcap's derivative on the PyTorch path, and on the upcast path the chunk's fp32 hidden and dx rows
-    logit_row_bytes = row_bytes = v * (hidden.element_size() if backend == "triton" else 4)
-    if backend == "torch" and o.softcap is not None:
-        row_bytes *= 2
+    logit_row_bytes, row_bytes = _row_bytes(hidden, v, o, backend, round_to)
     slab = 0
-    if _upcast(hidden, backend):
+    if _upcast(hidden, backend, round_to):
         slab = max(16, chunk_bytes // 8 // (2 * 4 * h))  # two fp32 slab temporaries: an eighth of the budget
         chunk_bytes -= 2 * 4 * h * min(slab, v)
-        row_bytes += 2 * 4 * h
+        row_bytes += 2 * 4 * h  # the chunk's fp32 hidden and dx rows
     if chunk_size != "auto":
         rows = int(chunk_size)
     else:
@@ -349,6 +486,37 @@ def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes) -> C
         if auto:  # tall GEMMs where their logits cost at most dW + dx and a quarter of the free memory holds them
             rows = max(rows, row_floor(o.reduction, logit_row_bytes, row_bytes, grad_bytes, free))
     return ChunkPlan(max(1, min(rows, n_rows)), slab)
+
+
+def _shifted(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
+    """``target`` moved ``shift`` steps left along its last dimension, the freed end ignored (no copy of hidden)."""
+    if not shift:
+        return target
+    if target.dim() == 0 or target.shape[-1] <= shift:
+        raise ValueError(f"linear_cross_entropy: shift={shift} needs a target whose last (time) dimension is longer "
+                         f"than {shift}, got shape {tuple(target.shape)}")
+    return torch.nn.functional.pad(target[..., shift:], (0, shift), value=ignore_index)
+
+
+def _check_shift(shift) -> int:
+    if isinstance(shift, bool):
+        return int(shift)
+    check_int(shift, "shift", minimum=0, owner="linear_cross_entropy")
+    return int(shift)
+
+
+def _accuracy(correct: torch.Tensor, target: torch.Tensor, o: CrossEntropyOptions) -> torch.Tensor:
+    """Token accuracy of the argmax against ``target`` in the loss's reduction (ignored tokens left out)."""
+    if o.reduction == "none":
+        return correct.reshape(target.shape).to(torch.float32)
+    hits = correct.sum().to(torch.float32)
+    if o.reduction == "sum":
+        return hits
+    return hits / (target != o.ignore_index).sum().to(torch.float32)
+
+
+def _trim(t: torch.Tensor, shift: int) -> torch.Tensor:
+    return t[..., : t.shape[-1] - shift] if shift else t
 
 
 @_disable_compile
@@ -363,21 +531,43 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     reduction: str = "mean",
+    class_weights: torch.Tensor | None = None,
+    shift: int | bool = 0,
+    logits_dtype: torch.dtype | None = None,
+    return_lse: bool = False,
+    return_accuracy: bool = False,
     chunk_size: int | str = "auto",
     chunk_bytes: int | None = None,
     accum_dtype: torch.dtype | None = None,
     validate: bool = True,
     backend: str = "auto",
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``target`` without materializing the logits.
 
     Args:
         hidden: ``(..., H)`` activations entering the LM head.
         weight: ``(V, H)`` head weight (``nn.Linear(H, V).weight``).
-        target: ``(...)`` class indices aligned with ``hidden`` (nothing is shifted here).
+        target: ``(...)`` class indices aligned with ``hidden`` (see ``shift``).
         bias: optional ``(V,)`` head bias.
         ignore_index, label_smoothing, z_loss, softcap, reduction, validate, backend: as in
             :func:`~lightning_memkit.ops.cross_entropy`.
+        class_weights: optional ``(V,)`` weight per class, as ``F.cross_entropy``'s ``weight``: each token's
+            loss is scaled by its target's weight and ``"mean"`` divides by the kept targets' summed weight;
+            the z-loss stays unweighted, divided by their count (Liger-Kernel's ``ce_weight``).
+        shift: ``k > 0`` (or ``True``: 1) predicts ``target[..., i + k]`` from ``hidden[..., i, :]`` along the
+            last dimension of ``target`` (causal LM training on unshifted labels, Cut Cross-Entropy's ``shift``);
+            the last ``k`` positions take no loss, and per-token outputs have ``k`` fewer positions.
+        logits_dtype: ``None`` (default) or the inputs' dtype: for bf16/fp16 inputs each logit is rounded to
+            that dtype (softcap applied in it) and its gradient rounded to it before the head's backward
+            products, as ``F.cross_entropy(F.linear(hidden, weight).float(), target)`` (transformers,
+            Liger-Kernel); ``torch.float32`` keeps logits and their gradient in float32 (Cut Cross-Entropy's
+            numerics). Same result for float32 inputs.
+        return_lse: also return each token's log-sum-exp (float32, ``target``'s shape, 0 where ignored),
+            differentiable (for a custom z-loss; its gradient costs one more pass over the chunks, and
+            ``hidden`` is kept for it).
+        return_accuracy: also return the token accuracy, the argmax of the logits against ``target`` over the
+            kept tokens, in the loss's reduction (a fraction for ``"mean"``, a count for ``"sum"``, 0/1 per token
+            for ``"none"``), computed chunk by chunk (no logits), not differentiable.
         chunk_size: tokens per chunk, or ``"auto"``: as many tokens as the chunk budget holds in
             buffers (fp32 logits; twice that with ``softcap`` on the PyTorch path).
         chunk_bytes: the chunk budget in bytes. ``None`` (default): a fifth of the bytes of
@@ -391,8 +581,9 @@ def linear_cross_entropy(
             budget that forces many chunks prefer ``torch.float32``); ``torch.float32`` keeps an
             fp32 accumulator, cast at the end. ``db`` always accumulates in fp32.
 
-    The loss is float32 for half inputs (the peers' dtype; at least the inputs' and ``accum_dtype``'s
-    precision otherwise); the gradients keep the inputs' dtypes.
+    Returns the loss, float32 for half inputs (the peers' dtype; at least the inputs' and ``accum_dtype``'s
+    precision otherwise); with ``return_lse`` and/or ``return_accuracy`` the tuple ``(loss, lse)``,
+    ``(loss, accuracy)`` or ``(loss, lse, accuracy)``. The gradients keep the inputs' dtypes.
     Under ``torch.autocast`` the inputs are cast to the autocast dtype first, like ``F.linear``.
     With ``reduction="mean"``/``"sum"`` the graph can be differentiated once (gradients are built in
     forward); ``reduction="none"`` recomputes in backward and supports ``retain_graph``.
@@ -405,6 +596,9 @@ def linear_cross_entropy(
         >>> target = torch.randint(0, 300, (10,))
         >>> loss = linear_cross_entropy(hidden, weight, target, z_loss=1e-4, chunk_size=4)
         >>> loss.backward()
+        >>> loss, accuracy = linear_cross_entropy(hidden.detach(), weight.detach(), target, return_accuracy=True)
+        >>> 0.0 <= float(accuracy) <= 1.0
+        True
     """
     o = CrossEntropyOptions(ignore_index, label_smoothing, z_loss, softcap, reduction)
     check_chunk_size(chunk_size)
@@ -412,22 +606,36 @@ def linear_cross_entropy(
     if chunk_bytes is not None and chunk_size != "auto":
         raise ValueError(f"linear_cross_entropy: give chunk_size={chunk_size!r} (rows) or chunk_bytes={chunk_bytes} "
                          "(a byte budget), not both")
+    shift = _check_shift(shift)
+    for flag, name in ((return_lse, "return_lse"), (return_accuracy, "return_accuracy")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"linear_cross_entropy: {name} must be a bool, got {flag!r}")
     dev_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
     if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(dev_type):
         dt = torch.get_autocast_dtype(dev_type)
         hidden, weight = hidden.to(dt), weight.to(dt)
         bias = None if bias is None else bias.to(dt)
     _check_inputs(hidden, weight, bias, target, accum_dtype)
+    check_class_weights(class_weights, weight.shape[0], hidden.device)
+    round_to = check_logits_dtype(logits_dtype, hidden.dtype, "linear_cross_entropy")
     impl = check_backend(backend, hidden.device)
-    n_classes = weight.shape[0]
     if validate:
-        check_target(target, n_classes, ignore_index)
-    plan = chunk_plan(hidden, weight, max(1, target.numel()), o, impl, chunk_size, chunk_bytes)
+        check_target(target, weight.shape[0], ignore_index)
+    target = _shifted(target, shift, ignore_index)
+    plan = chunk_plan(hidden, weight, max(1, target.numel()), o, impl, chunk_size, chunk_bytes, round_to)
     accum = weight.dtype if accum_dtype is None else accum_dtype
     loss_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32 for half inputs, as the peers return
     if accum_dtype is not None:
         loss_dtype = torch.promote_types(loss_dtype, accum_dtype)
+    setup = _Setup(o, impl, plan, accum, round_to, class_weights, return_lse, return_accuracy)
     with torch.autocast(dev_type, enabled=False):
-        return _LinearCrossEntropyFunction.apply(
-            hidden, weight, bias, target, o, impl, plan, accum, torch.is_grad_enabled(), loss_dtype
+        loss, lse, correct = _LinearCrossEntropyFunction.apply(
+            hidden, weight, bias, target, setup, torch.is_grad_enabled(), loss_dtype
         )
+    if reduction == "none":
+        loss = _trim(loss, shift)
+    extras = [_trim(lse, shift)] if return_lse else []
+    if return_accuracy:
+        extras.append(_trim(_accuracy(correct, target, o), shift) if reduction == "none"
+                      else _accuracy(correct, target, o))
+    return (loss, *extras) if extras else loss

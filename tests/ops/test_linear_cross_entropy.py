@@ -222,13 +222,15 @@ def test_chunk_bytes_overrides_the_budget():
 
 
 def test_bf16_on_cpu_runs_fp32_matmuls_in_weight_slabs():
-    """Many weight slabs (a tiny budget) and the whole-weight fp32 accumulator agree with the oracle."""
+    """float32 logits of bf16 inputs on a CPU: many weight slabs (a tiny budget) and the whole-weight fp32
+    accumulator agree with the oracle."""
     x, w, b, target = _inputs(torch.bfloat16, True, n=64, v=301)
     oracle_leaves = _leaves(x, w, b, torch.float64)
     _reference(*oracle_leaves, target, "mean", {}).backward()
     for kwargs in ({"chunk_bytes": 1}, {"chunk_size": 16, "accum_dtype": torch.float32}):
         leaves = _leaves(x, w, b)
-        linear_cross_entropy(leaves[0], leaves[1], target, bias=leaves[2], **kwargs).backward()
+        linear_cross_entropy(leaves[0], leaves[1], target, bias=leaves[2], logits_dtype=torch.float32,
+                             **kwargs).backward()
         for name, o, q in zip(("dx", "dW", "db"), leaves, oracle_leaves):
             assert o.grad.dtype == torch.bfloat16, name
             torch.testing.assert_close(o.grad.double(), q.grad, rtol=2e-2, atol=2e-3, msg=name)
@@ -350,7 +352,7 @@ def test_cuda_triton_matches_oracle(dtype, reduction):
         assert_within(o.grad, r.grad, q.grad, TOL[dtype], name)
 
 
-def _bf16_step(fake: bool, reduction: str, accum_dtype, counter) -> int:
+def _bf16_step(fake: bool, reduction: str, accum_dtype, counter, logits_dtype=torch.float32) -> int:
     """The LivePeak bytes of a bf16 CPU forward and backward with many chunks and weight slabs (``chunk_bytes``
     small), on fake or real tensors; the ops' FLOPs go to ``counter``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -360,7 +362,8 @@ def _bf16_step(fake: bool, reduction: str, accum_dtype, counter) -> int:
         x = torch.zeros(n, h, dtype=torch.bfloat16, requires_grad=True)
         w = torch.zeros(v, h, dtype=torch.bfloat16, requires_grad=True)
         target = torch.zeros(n, dtype=torch.long)
-        loss = linear_cross_entropy(x, w, target, reduction=reduction, chunk_bytes=40_000, accum_dtype=accum_dtype)
+        loss = linear_cross_entropy(x, w, target, reduction=reduction, chunk_bytes=40_000, accum_dtype=accum_dtype,
+                                    logits_dtype=logits_dtype)
         loss.sum().backward()
         assert x.grad.shape == x.shape and w.grad.shape == w.shape
     return lp.peak_bytes
@@ -368,16 +371,22 @@ def _bf16_step(fake: bool, reduction: str, accum_dtype, counter) -> int:
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("accum_dtype", [None, torch.float32], ids=["bf16_dw", "fp32_dw"])
-def test_on_fake_tensors_the_slab_loops_are_one_product_with_the_same_bytes_and_flops(reduction, accum_dtype):
-    """An estimate traces the CPU bf16 path on fake tensors: one product per slab loop, the same storages
-    (LivePeak's peak) and the same FLOPs as the loops on real tensors, which take dozens of slabs here."""
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=["fp32_logits", "rounded_logits"])
+def test_on_fake_tensors_the_slab_loops_are_one_product_with_the_same_bytes_and_flops(
+        monkeypatch, reduction, accum_dtype, logits_dtype):
+    """An estimate traces the CPU bf16 upcast path (float32 logits, or logits rounded to bf16 on a CPU without bf16
+    matrix units) on fake tensors: one product per slab loop, the same storages (LivePeak's peak) and the same FLOPs
+    as the loops on real tensors, which take dozens of slabs here."""
+    import sys
+
     from torch.utils.flop_counter import FlopCounterMode
 
     from lightning_memkit.ops.linear_cross_entropy import chunk_plan
 
+    monkeypatch.setattr(sys.modules["lightning_memkit.ops.linear_cross_entropy"], "native_half_matmul", lambda d: False)
     real_flops, fake_flops = FlopCounterMode(display=False), FlopCounterMode(display=False)
-    real = _bf16_step(False, reduction, accum_dtype, real_flops)
-    fake = _bf16_step(True, reduction, accum_dtype, fake_flops)
+    real = _bf16_step(False, reduction, accum_dtype, real_flops, logits_dtype)
+    fake = _bf16_step(True, reduction, accum_dtype, fake_flops, logits_dtype)
     assert fake == real
     assert fake_flops.get_total_flops() == real_flops.get_total_flops() > 0
     x, w = torch.zeros(96, 32, dtype=torch.bfloat16), torch.zeros(1000, 32, dtype=torch.bfloat16)

@@ -66,6 +66,7 @@ def test_interpreted_cross_entropy(small_blocks, dtype, reduction, opts, inplace
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_interpreted_linear_cross_entropy(small_blocks, dtype, reduction):
+    """float32 logits (the default for fp32 inputs; ``logits_dtype=torch.float32`` for bf16) against the oracle."""
     opts = OPTION_SETS["all"]
     n, h, v = 13, 8, 150
     x, w, b = torch.randn(n, h).to(dtype), (torch.randn(v, h) * 0.7).to(dtype), torch.randn(v).to(dtype)
@@ -79,11 +80,33 @@ def test_interpreted_linear_cross_entropy(small_blocks, dtype, reduction):
     ref.backward(grad_out.to(dtype))
     ours_leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     ours = linear_cross_entropy(ours_leaves[0], ours_leaves[1], target, bias=ours_leaves[2], reduction=reduction,
-                                chunk_size=5, backend="triton", **opts)
-    ours.backward(grad_out.to(dtype))
+                                chunk_size=5, backend="triton", logits_dtype=torch.float32, **opts)
+    ours.backward(grad_out.to(ours.dtype))
     assert_within(ours.detach(), ref.detach(), oracle.detach(), TOL[dtype], "loss")
     for name, o, r, q in zip(("dx", "dW", "db"), ours_leaves, ref_leaves, oracle_leaves):
         assert_within(o.grad, r.grad, q.grad, TOL[dtype], name)
+
+
+@interpreted
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_interpreted_bf16_default_computes_what_transformers_computes(small_blocks, softcap):
+    """bf16 logits (the default): the kernel path gives transformers' loss to float32 rounding and its gradients to
+    one bf16 rounding, softcap in bf16 (Gemma's order) included."""
+    n, h, v = 13, 8, 150
+    x, w = torch.randn(n, h).bfloat16(), (torch.randn(v, h) * 0.7).bfloat16()
+    target = make_target(n, v)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w)]
+    z = torch.nn.functional.linear(*ref_leaves)
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    ref = torch.nn.functional.cross_entropy(z.float(), target)
+    ref.backward()
+    ours_leaves = [t.clone().requires_grad_() for t in (x, w)]
+    ours = linear_cross_entropy(*ours_leaves, target, softcap=softcap, chunk_size=13, backend="triton")
+    ours.backward()
+    torch.testing.assert_close(ours, ref, rtol=2e-6, atol=2e-6)
+    for name, o, r in zip(("dx", "dW"), ours_leaves, ref_leaves):
+        torch.testing.assert_close(o.grad.float(), r.grad.float(), rtol=1.6e-2, atol=1e-3, msg=name)
 
 
 @interpreted

@@ -1,0 +1,185 @@
+"""linear_cross_entropy's peer options (class weights, shift, the log-sum-exp, token accuracy) and its two numerics
+(logits rounded to the head's dtype as transformers computes them, or kept in float32), against references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cross_entropy_oracle import make_target
+
+from lightning_memkit.ops import _head_numerics, linear_cross_entropy
+
+N, H, V = 37, 24, 301
+
+
+def _inputs(dtype=torch.float32, n=N, h=H, v=V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * 2 / h**0.5).to(dtype)
+    return x, w, make_target(n, v, generator=g)
+
+
+def _leaves(*tensors, dtype=None):
+    return [t.to(dtype or t.dtype).clone().requires_grad_() for t in tensors]
+
+
+def _liger_weighted(z, t, cw, eps, z_loss, reduction):
+    """torch's weighted cross-entropy plus Liger-Kernel's unweighted z-loss (mean: over the kept tokens' count)."""
+    valid = t != -100
+    ce = F.cross_entropy(z, t, weight=cw, label_smoothing=eps, reduction="none")
+    zl = z_loss * torch.logsumexp(z, -1) ** 2 * valid
+    if reduction == "mean":
+        return ce.sum() / cw[t[valid]].sum() + zl.sum() / valid.sum()
+    if reduction == "sum":
+        return ce.sum() + zl.sum()
+    return ce + zl
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(("eps", "z_loss"), [(0.0, 0.0), (0.2, 0.0), (0.1, 0.03)])
+def test_class_weights_match_torch_weight_and_liger_z_loss(reduction, eps, z_loss):
+    x, w, t = _inputs()
+    cw = torch.rand(V, generator=torch.Generator().manual_seed(1)) * 2 + 0.1
+    x64, w64 = _leaves(x, w, dtype=torch.float64)
+    oracle = _liger_weighted(x64 @ w64.T, t, cw.double(), eps, z_loss, reduction)
+    grad_out = torch.rand_like(oracle) + 0.5
+    oracle.backward(grad_out)
+    xs, ws = _leaves(x, w)
+    ours = linear_cross_entropy(xs, ws, t, class_weights=cw, label_smoothing=eps, z_loss=z_loss,
+                                reduction=reduction, chunk_size=8)
+    ours.backward(grad_out.float())
+    torch.testing.assert_close(ours.double(), oracle.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(ws.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_unit_class_weights_change_nothing_and_bad_weights_are_refused():
+    x, w, t = _inputs()
+    plain = linear_cross_entropy(x, w, t, label_smoothing=0.1, z_loss=0.01)
+    ones = linear_cross_entropy(x, w, t, label_smoothing=0.1, z_loss=0.01, class_weights=torch.ones(V))
+    torch.testing.assert_close(ones, plain, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match=rf"class_weights must have shape \({V},\)"):
+        linear_cross_entropy(x, w, t, class_weights=torch.ones(V - 1))
+    with pytest.raises(TypeError, match="class_weights must be a floating-point tensor"):
+        linear_cross_entropy(x, w, t, class_weights=torch.ones(V, dtype=torch.long))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_return_lse_gives_the_log_sum_exp_and_its_gradient_for_a_custom_z_loss(reduction):
+    x, w, t = _inputs()
+    b = torch.randn(V)
+    x64, w64, b64 = _leaves(x, w, b, dtype=torch.float64)
+    z = F.linear(x64, w64, b64)
+    valid = t != -100
+    ref_lse = torch.logsumexp(z, -1) * valid
+    ref = F.cross_entropy(z, t, reduction=reduction)
+    (ref.sum() + 1e-2 * (ref_lse**2).sum() + ref_lse.sum()).backward()
+    xs, ws, bs = _leaves(x, w, b)
+    loss, lse = linear_cross_entropy(xs, ws, t, bias=bs, reduction=reduction, return_lse=True, chunk_size=8)
+    assert lse.shape == t.shape and lse.dtype == torch.float32 and torch.all(lse[~valid] == 0)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), rtol=1e-6, atol=1e-5)
+    (loss.sum() + 1e-2 * (lse**2).sum() + lse.sum()).backward()
+    for ours, oracle, name in ((xs, x64, "dx"), (ws, w64, "dW"), (bs, b64, "db")):
+        torch.testing.assert_close(ours.grad.double(), oracle.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_of_the_lse_alone():
+    x, w, t = _inputs()
+    x64, w64 = _leaves(x, w, dtype=torch.float64)
+    (torch.logsumexp(x64 @ w64.T, -1) * (t != -100)).sum().backward()
+    xs, ws = _leaves(x, w)
+    _, lse = linear_cross_entropy(xs, ws, t, return_lse=True, softcap=None)
+    lse.sum().backward()
+    torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(ws.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_token_accuracy_is_the_argmax_of_the_logits_over_kept_tokens(reduction, softcap):
+    x, w, t = _inputs()
+    t[:12] = (x[:12] @ w.T).argmax(-1)  # some hits for sure
+    valid = t != -100
+    hits = ((x @ w.T).argmax(-1) == t) & valid
+    loss, acc = linear_cross_entropy(x, w, t, reduction=reduction, softcap=softcap, return_accuracy=True,
+                                     chunk_size=8)
+    expected = {"mean": hits.sum() / valid.sum(), "sum": hits.sum().float(), "none": hits.float()}[reduction]
+    assert acc.dtype == torch.float32 and not acc.requires_grad
+    torch.testing.assert_close(acc, expected.float())
+    assert 12 <= hits.sum() < valid.sum()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shift", [1, True, 3])
+def test_shift_predicts_later_targets_as_cut_cross_entropy(reduction, shift):
+    b, time = 3, 11
+    x, w, _ = _inputs(n=b * time)
+    x = x.reshape(b, time, H)
+    labels = torch.randint(0, V, (b, time))
+    labels[0, 4] = -100
+    k = int(shift)
+    ref = F.cross_entropy((x[:, :-k] @ w.T).reshape(-1, V), labels[:, k:].reshape(-1), reduction=reduction)
+    ours, lse, acc = linear_cross_entropy(x, w, labels, shift=shift, reduction=reduction, return_lse=True,
+                                          return_accuracy=True)
+    torch.testing.assert_close(ours, ref.reshape(b, time - k) if reduction == "none" else ref, rtol=1e-5, atol=1e-6)
+    assert lse.shape == (b, time - k)
+    torch.testing.assert_close(lse[1], torch.logsumexp(x[1, :-k] @ w.T, -1))
+    hits = ((x[:, :-k] @ w.T).argmax(-1) == labels[:, k:]) & (labels[:, k:] != -100)
+    if reduction == "none":
+        torch.testing.assert_close(acc, hits.float())
+    with pytest.raises(ValueError, match="shift=11 needs a target whose last"):
+        linear_cross_entropy(x, w, labels, shift=11)
+    with pytest.raises(ValueError, match="shift"):
+        linear_cross_entropy(x, w, labels, shift=-1)
+
+
+# -- numerics: logits in the head's dtype (transformers) or float32 (CCE) ---------------------------------------
+def _transformers_reference(x, w, t, b=None, softcap=None):
+    """What an unfused bf16 head and transformers' ForCausalLMLoss compute: logits rounded to the head's dtype,
+    softcap in it (Gemma's order), a float32 loss; the gradients through the head in its dtype."""
+    xs, ws = _leaves(x, w)
+    bs = None if b is None else b.clone().requires_grad_()
+    z = F.linear(xs, ws, bs)
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    loss = F.cross_entropy(z.float(), t)
+    loss.backward()
+    return loss, xs.grad, ws.grad, None if bs is None else bs.grad
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native_bf16_gemm", "fp32_gemm_rounded"])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_default_computes_what_transformers_computes(monkeypatch, native, softcap, bias):
+    if native and not _head_numerics.native_half_matmul(torch.bfloat16):
+        pytest.skip("this CPU has no bf16 matrix units: the native path is not taken")
+    import sys
+
+    monkeypatch.setattr(sys.modules["lightning_memkit.ops.linear_cross_entropy"], "native_half_matmul",
+                        lambda dtype: native)
+    x, w, t = _inputs(torch.bfloat16, n=64, v=301)
+    b = torch.randn(V).bfloat16() if bias else None
+    ref = _transformers_reference(x, w, t, b, softcap)
+    xs, ws = _leaves(x, w)
+    bs = None if b is None else b.clone().requires_grad_()
+    loss = linear_cross_entropy(xs, ws, t, bias=bs, softcap=softcap, chunk_size=16)
+    loss.backward()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref[0], rtol=2e-6, atol=2e-6)  # float32 rounding
+    for ours, theirs, name in ((xs.grad, ref[1], "dx"), (ws.grad, ref[2], "dW"), (None if bs is None else bs.grad, ref[3], "db")):
+        if theirs is not None:  # one bf16 rounding of the same products (dW: of each 16-row chunk's sum)
+            assert ours.dtype == torch.bfloat16
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=1.6e-2, atol=1e-3, msg=name)
+
+
+def test_float32_logits_are_closer_to_the_fp64_oracle_than_the_rounded_ones():
+    x, w, t = _inputs(torch.bfloat16, n=256, v=2000)
+    oracle = F.cross_entropy(x.double() @ w.double().T, t)
+    rounded = linear_cross_entropy(x, w, t)
+    exact = linear_cross_entropy(x, w, t, logits_dtype=torch.float32)
+    same = linear_cross_entropy(x, w, t, logits_dtype=torch.bfloat16)
+    assert torch.equal(same, rounded)
+    assert abs(exact.double() - oracle) < 1e-5 < abs(rounded.double() - oracle) < 1e-2
+    with pytest.raises(ValueError, match="logits_dtype must be None"):
+        linear_cross_entropy(x, w, t, logits_dtype=torch.float16)
+    x32, w32 = x.float(), w.float()
+    assert torch.equal(linear_cross_entropy(x32, w32, t), linear_cross_entropy(x32, w32, t, logits_dtype=torch.float32))
