@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from lightning_memkit.common.validation import check_choice, check_int
+from lightning_memkit.common.validation import check_bool, check_choice, check_int
 from lightning_memkit.hf.peft_models import head_parts, unwrap_peft
 from lightning_memkit.ops import linear_cross_entropy
 
-__all__ = ["find_causal_lms", "fused_linear_cross_entropy"]
+__all__ = ["LOGITS_DTYPES", "find_causal_lms", "fused_linear_cross_entropy"]
 
 _LOSS_ONLY_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
@@ -90,22 +90,39 @@ def _bind(original, args: tuple, kwargs: dict) -> dict:
     return params
 
 
-def _lm_loss(model, hidden, labels, params, chunk_size, backend) -> torch.Tensor:
-    """HF ``ForCausalLMLoss`` on ``hidden @ lm_head.weight.T`` without the logits."""
+#: ``logits_dtype`` of the fused HF loss: ``"head"`` rounds each logit to the head's dtype as transformers does,
+#: ``"float32"`` keeps the logits (and their gradient) in float32.
+LOGITS_DTYPES = {"head": None, "float32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    chunk_size: int | str
+    backend: str
+    logits_dtype: str
+    token_accuracy: bool
+
+
+def _lm_loss(model, hidden, labels, params, settings: _Settings) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """HF ``ForCausalLMLoss`` on ``hidden @ lm_head.weight.T`` without the logits; and the token accuracy."""
     ignore_index = params.get("ignore_index", -100)
     shift_labels = params.get("shift_labels")
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     n_items = params.get("num_items_in_batch")
     hidden, weight, bias = _head_operands(model.lm_head, hidden.reshape(-1, hidden.shape[-1]))
-    loss = linear_cross_entropy(
+    out = linear_cross_entropy(
         hidden, weight, shift_labels.reshape(-1).to(hidden.device),
         bias=bias, ignore_index=ignore_index, softcap=getattr(model.config, "final_logit_softcapping", None),
-        reduction="mean" if n_items is None else "sum", chunk_size=chunk_size, backend=backend,
+        reduction="mean" if n_items is None else "sum", chunk_size=settings.chunk_size, backend=settings.backend,
+        logits_dtype=LOGITS_DTYPES[settings.logits_dtype], return_accuracy=settings.token_accuracy,
     )
+    loss, accuracy = out if settings.token_accuracy else (out, None)
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
-    return loss
+        if accuracy is not None:  # a count under "sum": the fraction of the kept labels
+            accuracy = accuracy / (shift_labels != ignore_index).sum().to(accuracy.device)
+    return loss, accuracy
 
 
 def _head_operands(head, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -141,7 +158,7 @@ def _cache_field(output_type: type) -> str:
     return "cache" if "cache" in names else "past_key_values"
 
 
-def _fused_forward(model, params: dict, labels, chunk_size, backend):
+def _fused_forward(model, params: dict, labels, settings: _Settings):
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     from transformers.modeling_utils import slice_logits_to_keep
 
@@ -154,7 +171,7 @@ def _fused_forward(model, params: dict, labels, chunk_size, backend):
         params["output_router_logits"] = router
     outputs = model.base_model(**params)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-    loss = _lm_loss(model, hidden, labels, loss_kwargs, chunk_size, backend)
+    loss, accuracy = _lm_loss(model, hidden, labels, loss_kwargs, settings)
     cache = _cache_field(type(outputs))
     common = dict(loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     common[_cache_field(CausalLMOutputWithPast)] = getattr(outputs, cache)
@@ -166,12 +183,15 @@ def _fused_forward(model, params: dict, labels, chunk_size, backend):
         out = MoeCausalLMOutputWithPast(aux_loss=aux, router_logits=outputs.router_logits, **common)
     else:
         out = CausalLMOutputWithPast(**common)
+    if accuracy is not None:
+        out.token_accuracy = accuracy  # an attribute, not a field: ``to_tuple()`` and indexing are transformers'
     return out.to_tuple() if return_dict is False else out
 
 
 @contextlib.contextmanager
 def fused_linear_cross_entropy(
-    model: Any, *, chunk_size: int | str = "auto", backend: str = "auto"
+    model: Any, *, chunk_size: int | str = "auto", backend: str = "auto", logits_dtype: str = "head",
+    token_accuracy: bool = False,
 ) -> Iterator[Any]:
     """Within the block, ``model(..., labels=...)`` computes its loss without materializing the logits.
 
@@ -180,6 +200,13 @@ def fused_linear_cross_entropy(
             model around one (its LoRA adapters on ``lm_head`` included).
         chunk_size: tokens per chunk of :func:`~lightning_memkit.ops.linear_cross_entropy`, or ``"auto"``.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (as in ``linear_cross_entropy``).
+        logits_dtype: ``"head"`` (default): transformers' numerics, each logit rounded to the head's dtype
+            (bf16/fp16 heads; ``final_logit_softcapping`` in that dtype), a float32 loss, the logits' gradient
+            rounded to the head's dtype: its losses are transformers' to float32 rounding. ``"float32"``: the
+            logits and their gradient kept in float32 (more exact, not transformers' numbers). The same for
+            float32 heads.
+        token_accuracy: the output gets a ``token_accuracy`` attribute, the fraction of the kept (shifted)
+            labels that the logits' argmax predicts, computed chunk by chunk (no logits).
 
     Yields the model. ``config.final_logit_softcapping`` is applied as ``softcap``; MoE router aux
     loss (``output_router_logits``) is added as HF does. See the module docstring for an example.
@@ -188,6 +215,9 @@ def fused_linear_cross_entropy(
     _check_model(model)
     check_int(chunk_size, "chunk_size", minimum=1, also=("auto",), owner="fused_linear_cross_entropy")
     check_choice(backend, "backend", ("auto", "torch", "triton"), owner="fused_linear_cross_entropy")
+    check_choice(logits_dtype, "logits_dtype", tuple(LOGITS_DTYPES), owner="fused_linear_cross_entropy")
+    check_bool(token_accuracy, "token_accuracy", owner="fused_linear_cross_entropy")
+    settings = _Settings(chunk_size, backend, logits_dtype, token_accuracy)
     had_own = "forward" in model.__dict__
     previous = model.__dict__.get("forward")
     original = model.forward
@@ -197,7 +227,7 @@ def fused_linear_cross_entropy(
         labels = params.pop("labels", None)
         if labels is None:
             return original(*args, **kwargs)
-        return _fused_forward(model, params, labels, chunk_size, backend)
+        return _fused_forward(model, params, labels, settings)
 
     model.forward = forward
     try:

@@ -48,7 +48,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
-from lightning_memkit.common.validation import check_int
+from lightning_memkit.common.validation import check_bool, check_int
 from lightning_memkit.measure.device import free_device_memory
 from lightning_memkit.ops._cross_entropy_common import (
     ClassWeights,
@@ -125,9 +125,12 @@ class _Chunker:
         # softcap in the head's dtype (transformers' order of roundings) before the rows' math, which then has none
         self.cap = o.softcap if setup.round_to is not None else None
         self.o = o if self.cap is None else dataclasses.replace(o, softcap=None)
-        # Triton reads logits in the compute dtype; the PyTorch path an fp32 chunk
+        # Triton reads logits in the compute dtype; the PyTorch path an fp32 chunk, or on the half path (the GEMMs in
+        # the head's dtype) an fp32 block of ``plan.sub`` rows for the rows' math on the chunk in the head's dtype
         triton_half = self.backend == "triton" and setup.round_to is not None
-        self.buf = torch.empty(rows, v, dtype=x.dtype if triton_half else torch.float32, device=dev)
+        self.sub = setup.plan.sub
+        zrows = min(self.sub, rows) if self.sub else rows
+        self.buf = torch.empty(zrows, v, dtype=x.dtype if triton_half else torch.float32, device=dev)
         self.half = None if setup.round_to is None or triton_half else torch.empty(rows, v, dtype=x.dtype, device=dev)
         self.keep = self.whole = None
         if self.cap is not None:
@@ -163,8 +166,9 @@ class _Chunker:
             self._upcast_logits(xc, z)
         elif z.dtype == xc.dtype:  # fp32 inputs, or Triton's logits in the head's dtype
             self._product(xc, z)
-        elif self.half is not None:  # a GEMM in the head's dtype, rounded once (as F.linear)
-            self._product(xc, self.half[: b - a])
+        elif self.sub:  # a GEMM in the head's dtype, rounded once (as F.linear); the rows' math reads it in blocks
+            z = self.half[: b - a]
+            self._product(xc, z)
         else:  # float32 logits of half inputs
             mm_float32(xc, self.w.t(), z)
             if self.b is not None:
@@ -191,7 +195,7 @@ class _Chunker:
 
     def _finish_logits(self, z, r: int) -> torch.Tensor:
         """Soft-cap the rounded logits in the head's dtype, then hand the loss its float32 (or Triton) chunk."""
-        half = z if self.half is None else self.half[:r]
+        half = z if self.half is None or self.sub else self.half[:r]
         if self.cap is not None:
             head_softcap(half, self.cap, self.keep[:r])
         if half is not z:
@@ -215,13 +219,36 @@ class _Chunker:
             )
             return loss, out
         keep = None if self.keep is None or self.cap is not None else self.keep[: b - a]
+        if self.sub:
+            return self._blocked_rows(z, t, gs, lse)
         return torch_rows(z, t, self.o, grad_scale=gs, lse=lse, keep=keep, weights=self.weights)
+
+    def _blocked_rows(self, z, t, gs, lse):
+        """:func:`torch_rows` on the chunk in the head's dtype, ``sub`` rows at a time through the fp32 block (the
+        gradient rounded back into ``z``); returns the chunk's ``(loss, lse)`` rows."""
+        r = z.shape[0]
+        loss = None if lse is not None else torch.empty(r, dtype=torch.float32, device=z.device)
+        lse_out = torch.empty(r, dtype=torch.float32, device=z.device) if lse is None else lse
+        # fake tensors (an estimate) hold no values: one block stands for the loop (the same storages, no GEMMs)
+        for s in range(0, min(r, self.sub) if is_fake(z) else r, self.sub):
+            e = min(s + self.sub, r)
+            f = self.buf[: e - s]
+            f.copy_(z[s:e])
+            g = None if gs is None else (gs[s:e] if gs.numel() > 1 else gs)
+            loss_s, lse_s = torch_rows(f, t[s:e], self.o, grad_scale=g, lse=None if loss is not None else lse[s:e],
+                                       weights=self.weights)
+            if loss is not None:
+                loss[s:e] = loss_s
+                lse_out[s:e] = lse_s
+            if g is not None:
+                z[s:e].copy_(f)  # the float32 gradient rounded once to the head's dtype
+        return loss, lse_out
 
     def gradient(self, z: torch.Tensor) -> torch.Tensor:
         """The chunk's gradient w.r.t. the logits as the head's backward products take it (``z`` holds it in fp32,
         or in the head's dtype on Triton): rounded to the head's dtype and through its softcap where asked."""
         r = z.shape[0]
-        g = z if self.half is None else self.half[:r]
+        g = z if self.half is None or self.sub else self.half[:r]
         if g is not z:
             g.copy_(z)  # the rounding of the loss's float32 gradient to the head's dtype (``.float()``'s backward)
         if self.cap is not None:
@@ -231,8 +258,9 @@ class _Chunker:
             return z
         return g
 
-    def accumulate(self, g, a, b, dx, dw, db, *, add: bool = False) -> None:
-        """Turn the chunk gradient ``g`` (``dloss/dlogits``) into its share of ``dx``, ``dW``, ``db``."""
+    def accumulate(self, g, a, b, dx, dw, db, *, add: bool = False, first: bool = False) -> None:
+        """Turn the chunk gradient ``g`` (``dloss/dlogits``) into its share of ``dx``, ``dW``, ``db`` (``first``:
+        ``dW`` was allocated empty for this first chunk to write, see :func:`_fresh_dw`)."""
         if self.slab:
             self._accumulate_upcast(g, a, b, dx, dw, add)
         else:
@@ -243,7 +271,9 @@ class _Chunker:
                     dx[a:b].addmm_(gw, self.w)
                 else:
                     torch.mm(gw, self.w, out=dx[a:b])
-            if dw is not None:
+            if dw is not None and first:
+                torch.mm(g.t(), xc, out=dw)
+            elif dw is not None:
                 _addmm_into(dw, g.t(), xc)
         if db is not None:
             db.add_(g.sum(0, dtype=torch.float32))
@@ -290,10 +320,12 @@ class _Chunker:
         return self.gradient(z)
 
 
-def _buffers(x, weight, bias, accum_dtype, need, zero=False):
+def _buffers(x, weight, bias, accum_dtype, need, zero=False, fresh_dw=False):
     new = torch.zeros_like if zero else torch.empty_like
     dx = new(x) if need[0] else None
-    dw = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if need[1] else None
+    dw = None
+    if need[1]:
+        dw = (torch.empty if fresh_dw else torch.zeros)(weight.shape, dtype=accum_dtype, device=weight.device)
     # db costs V values: always accumulated in fp32 (or wider), cast at the end
     db_dtype = torch.promote_types(accum_dtype, torch.float32)
     db = torch.zeros(bias.shape, dtype=db_dtype, device=bias.device) if need[2] else None
@@ -331,7 +363,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         n = x.shape[0]
         ng = ctx.needs_input_grad
         need = (grad_enabled and ng[0], grad_enabled and ng[1], grad_enabled and bias is not None and ng[2])
-        in_forward = any(need) and o.reduction != "none"
+        # gradients built in forward assume an upstream gradient of 1 (scaled afterwards): exact for float32 inputs;
+        # half inputs recompute in backward, so the logits' gradient is scaled before its rounding, as unfused
+        in_forward = any(need) and o.reduction != "none" and hidden.dtype not in HALF
         weights, denom, base = class_weighting(setup.class_weights, t, o)
         ch = _Chunker(x, weight, bias, t, setup, weights)
         loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
@@ -353,7 +387,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         if setup.accuracy:
             correct &= valid
         ctx.setup, ctx.in_forward, ctx.need, ctx.hidden_shape = setup, in_forward, need, hidden.shape
-        ctx.weights = weights
+        ctx.weights, ctx.base = weights, base
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
         ctx.grads = (dx, dw, db) if in_forward else None
         if any(need) and (not in_forward or setup.keep_inputs):
@@ -401,21 +435,28 @@ def _forward_grads(ctx, grad_out):
 
 
 def _recomputed_grads(ctx, grad_out):
-    """``reduction="none"``: the gradients of the per-token losses, recomputing the logits chunk by chunk."""
+    """``reduction="none"`` (and half inputs): the gradients, recomputing the logits chunk by chunk."""
     x, weight, bias, t, lse = ctx.saved_tensors
     setup = ctx.setup
-    grads = _buffers(x, weight, bias, setup.accum_dtype, ctx.need, zero=grad_out is None)
+    fresh = grad_out is not None and _fresh_dw(setup, weight, ctx.need)
+    grads = _buffers(x, weight, bias, setup.accum_dtype, ctx.need, zero=grad_out is None, fresh_dw=fresh)
     if grad_out is None:
         return grads
     dx, dw, db = grads
-    scale = scale_for_backward(grad_out, None, setup.o.reduction)
+    scale = scale_for_backward(grad_out, ctx.base, setup.o.reduction)
     ch = _Chunker(x, weight, bias, t, setup, ctx.weights)
     for a in range(0, x.shape[0], setup.plan.rows):
         b = min(a + setup.plan.rows, x.shape[0])
         z = ch.logits(a, b)
         ch.loss_and_grad(z, a, b, grad_scale=scale, lse=lse[a:b])
-        ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
+        ch.accumulate(ch.gradient(z), a, b, dx, dw, db, first=fresh and a == 0)
     return grads
+
+
+def _fresh_dw(setup: _Setup, weight: torch.Tensor, need) -> bool:
+    """Whether ``dW`` can be left unfilled for the first chunk's product to write (the half path: its GEMMs' dtype is
+    ``dW``'s), saving a pass over ``dW``."""
+    return bool(need[1]) and setup.plan.sub > 0 and setup.accum_dtype == weight.dtype
 
 
 def _check_inputs(hidden, weight, bias, target, accum_dtype) -> None:
@@ -440,10 +481,17 @@ def _check_inputs(hidden, weight, bias, target, accum_dtype) -> None:
 
 
 class ChunkPlan(NamedTuple):
-    """Rows of ``hidden`` per chunk, and rows of ``weight`` per fp32 slab (0: no upcast, whole-weight matmuls)."""
+    """Rows of ``hidden`` per chunk, rows of ``weight`` per fp32 slab (0: no upcast, whole-weight matmuls), and on
+    the half path (GEMMs in the head's dtype on the PyTorch backend) the rows of each fp32 block of the rows' math
+    (0: not that path)."""
 
     rows: int
     slab: int
+    sub: int = 0
+
+
+#: bytes of the half path's fp32 block: small enough to stay in a CPU core's cache between its passes
+SUB_BLOCK_BYTES = 2 * 2**20
 
 
 def _upcast(x: torch.Tensor, backend: str, round_to: torch.dtype | None) -> bool:
@@ -474,18 +522,22 @@ def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes, roun
         grad_bytes = (weight.numel() + n_rows * h) * hidden.element_size()
         chunk_bytes = chunk_budget(grad_bytes, o.reduction, free)
     logit_row_bytes, row_bytes = _row_bytes(hidden, v, o, backend, round_to)
-    slab = 0
+    slab = sub = 0
     if _upcast(hidden, backend, round_to):
         slab = max(16, chunk_bytes // 8 // (2 * 4 * h))  # two fp32 slab temporaries: an eighth of the budget
         chunk_bytes -= 2 * 4 * h * min(slab, v)
         row_bytes += 2 * 4 * h  # the chunk's fp32 hidden and dx rows
+    elif backend == "torch" and round_to is not None:  # the half path: the chunk in the head's dtype, an fp32 block
+        sub = max(1, min(n_rows, SUB_BLOCK_BYTES // (4 * v)))
+        chunk_bytes -= sub * v * 4
+        row_bytes -= 4 * v
     if chunk_size != "auto":
         rows = int(chunk_size)
     else:
         rows = budget_rows(chunk_bytes, row_bytes, n_rows)
-        if auto:  # tall GEMMs where their logits cost at most dW + dx and a quarter of the free memory holds them
+        if auto and not sub:  # tall GEMMs where their logits cost at most dW + dx and a quarter of the free memory
             rows = max(rows, row_floor(o.reduction, logit_row_bytes, row_bytes, grad_bytes, free))
-    return ChunkPlan(max(1, min(rows, n_rows)), slab)
+    return ChunkPlan(max(1, min(rows, n_rows)), slab, sub)
 
 
 def _shifted(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
@@ -607,9 +659,8 @@ def linear_cross_entropy(
         raise ValueError(f"linear_cross_entropy: give chunk_size={chunk_size!r} (rows) or chunk_bytes={chunk_bytes} "
                          "(a byte budget), not both")
     shift = _check_shift(shift)
-    for flag, name in ((return_lse, "return_lse"), (return_accuracy, "return_accuracy")):
-        if not isinstance(flag, bool):
-            raise TypeError(f"linear_cross_entropy: {name} must be a bool, got {flag!r}")
+    check_bool(return_lse, "return_lse", owner="linear_cross_entropy")
+    check_bool(return_accuracy, "return_accuracy", owner="linear_cross_entropy")
     dev_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
     if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(dev_type):
         dt = torch.get_autocast_dtype(dev_type)

@@ -282,3 +282,25 @@ def test_monitor_profiler_and_release_in_a_trainer(family, tmp_path):
     module = Module()
     assert all(p.requires_grad for p in module.parameters())
     check_measuring_callbacks(module, tmp_path)
+
+
+# -- fused loss in bf16: transformers' numerics -----------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_loss_of_a_bf16_model_is_transformers_loss_to_float32_rounding(family):
+    """A bf16 head: logits rounded to bf16 (softcap in bf16), a float32 loss, the logits' gradient rounded to bf16,
+    as ``ForCausalLMLoss`` computes; ``logits_dtype="float32"`` keeps the logits in float32 instead."""
+    model = tiny_hf_causal_lm(family, seed=0, dtype=torch.bfloat16)
+    batch = _batch()
+    ref, ref_grads = _loss_and_grads(model, batch)
+    with fused_linear_cross_entropy(model, token_accuracy=True):
+        out, grads = _loss_and_grads(model, batch)
+    with fused_linear_cross_entropy(model, logits_dtype="float32"):
+        exact, _ = _loss_and_grads(model, batch)
+    assert out.logits is None and ref.loss.dtype == out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.loss, ref.loss, rtol=2e-6, atol=2e-6)
+    assert 0 < abs(float(exact.loss.detach() - ref.loss)) < 2e-2  # float32 logits: other numbers
+    hits = (ref.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]) & (batch["labels"][:, 1:] != -100)
+    torch.testing.assert_close(out.token_accuracy, hits.sum() / (batch["labels"][:, 1:] != -100).sum())
+    assert grads.keys() == ref_grads.keys()
+    for n, g in grads.items():  # at most one bf16 rounding of the same products (mostly bitwise equal)
+        torch.testing.assert_close(g.float(), ref_grads[n].float(), rtol=8e-3, atol=1e-5, msg=n)

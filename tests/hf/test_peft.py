@@ -444,3 +444,59 @@ def test_hf_causal_lm_refuses_bad_peft_lora_by_name():
         HFCausalLM(peft_lora={"rank": 4})
     with pytest.raises(ValueError, match=r"HFCausalLM\(peft_lora=.*Target modules \{'nope'\} not found"):
         HFCausalLM(peft_lora={"target_modules": ["nope"]})
+
+
+# -- bf16 QLoRA: the fused loss and the budget keep the math ----------------------------------------------------
+class _Batches(L.LightningDataModule):
+    """Fixed batches from a data module, so that a budget plans in ``setup``, on the model not yet quantized."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.batches, batch_size=None)
+
+
+def _qlora_bf16_fit(callbacks, steps=3):
+    """A 3-step bf16 QLoRA (nf4) fit of a peft Llama on distinct batches: its losses and its trained adapters."""
+    L.seed_everything(0, verbose=False)
+    module = HFCausalLM(vocab_size=VOCAB, lr=5e-2, peft_lora={"r": 8, "lora_alpha": 16, "target_modules": ATTENTION})
+    module.losses = []
+    module.on_train_batch_end = lambda outputs, batch, batch_idx: module.losses.append(float(outputs["loss"]))
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+                        plugins=[NoSaveBitsandbytesPrecision("nf4", "bf16")], limit_val_batches=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=_Batches([_batch(i, b=4, t=32) for i in range(steps)]))
+    names = peft_adapter_parameters(module)
+    adapters = {names[id(p)]: p.detach().float().clone() for p in module.parameters() if id(p) in names}
+    return module.losses, adapters, trainer
+
+
+def _relative_gap(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)) for n in b)
+
+
+def test_bf16_qlora_fit_with_the_fused_loss_has_the_losses_of_the_fit_without_it():
+    plain, plain_adapters, _ = _qlora_bf16_fit([])
+    callback = FusedLinearCrossEntropy(token_accuracy=True)
+    fused, fused_adapters, trainer = _qlora_bf16_fit([callback])
+    assert callback.fused_calls == 3 and fused_adapters.keys() == plain_adapters.keys()
+    assert fused == pytest.approx(plain, abs=1e-4, rel=0)
+    assert _relative_gap(fused_adapters, plain_adapters) < 1e-2  # bf16 training: not bitwise, far from 5%
+    assert 0.0 <= float(trainer.callback_metrics["train_token_accuracy"]) <= 1.0
+
+
+def test_memory_budget_on_bf16_qlora_uses_the_fused_loss_with_the_same_losses():
+    from lightning_memkit.callbacks import MemoryBudget
+    from lightning_memkit.memory import LivePeak as Peak
+
+    with Peak() as lp:
+        plain, plain_adapters, _ = _qlora_bf16_fit([])
+    budget = MemoryBudget(int(lp.peak_bytes * 0.95), allow=["fused_loss", "micro_batch"])
+    fused, fused_adapters, _ = _qlora_bf16_fit([budget])
+    assert any("fused" in change for change in budget.changes), budget.changes
+    assert fused == pytest.approx(plain, abs=1e-4, rel=0)
+    assert _relative_gap(fused_adapters, plain_adapters) < 1e-2

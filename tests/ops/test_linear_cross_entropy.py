@@ -49,8 +49,11 @@ def test_matches_fp64_oracle(dtype, reduction, opts, bias, chunking):
     ref = _reference(*ref_leaves, target, reduction, opts)
     ref.backward(grad_out.to(dtype))
     our_leaves = _leaves(x, w, b)
+    chunks = CHUNKING[chunking]
+    if dtype == torch.bfloat16 and chunking == "rows8":  # 5 bf16 roundings of dW: held to 1.5x torch chunked's
+        chunks = {**chunks, "accum_dtype": torch.float32}  # error in test_bf16_default_error_is_within_1_5x_...
     ours = linear_cross_entropy(our_leaves[0], our_leaves[1], target, bias=our_leaves[2], reduction=reduction,
-                                **CHUNKING[chunking], **opts)
+                                **chunks, **opts)
     assert ours.dtype == torch.float32 and ours.shape == oracle.shape  # float32 losses, as the peers return
     ours.backward(grad_out.to(ours.dtype))
     assert_within(ours.detach(), ref.detach(), oracle.detach(), TOL[dtype], "loss")
