@@ -233,10 +233,13 @@ class _Chunker:
         for s in range(0, min(r, self.sub) if is_fake(z) else r, self.sub):
             e = min(s + self.sub, r)
             f = self.buf[: e - s]
-            f.copy_(z[s:e])
+            if loss is None:  # backward: the copy to fp32 and the subtraction of the known lse in one pass
+                torch.sub(z[s:e], lse[s:e].unsqueeze(1), out=f)
+            else:
+                f.copy_(z[s:e])
             g = None if gs is None else (gs[s:e] if gs.numel() > 1 else gs)
             loss_s, lse_s = torch_rows(f, t[s:e], self.o, grad_scale=g, lse=None if loss is not None else lse[s:e],
-                                       weights=self.weights)
+                                       weights=self.weights, shifted=loss is None)
             if loss is not None:
                 loss[s:e] = loss_s
                 lse_out[s:e] = lse_s
@@ -382,6 +385,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             lse[a:b] = lse_c
             if in_forward:
                 ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
+        # the half path leaves the last chunk's logits untouched in its buffer: backward (the loss is the graph's
+        # last op, so it runs next) starts with that chunk and skips one GEMM; the buffers are backward's anyway
+        ctx.kept = (ch, a) if ch.sub and any(need) and not in_forward and n else None
         del ch
         valid = t != o.ignore_index
         if setup.accuracy:
@@ -441,15 +447,21 @@ def _recomputed_grads(ctx, grad_out):
     fresh = grad_out is not None and _fresh_dw(setup, weight, ctx.need)
     grads = _buffers(x, weight, bias, setup.accum_dtype, ctx.need, zero=grad_out is None, fresh_dw=fresh)
     if grad_out is None:
+        ctx.kept = None
         return grads
     dx, dw, db = grads
     scale = scale_for_backward(grad_out, ctx.base, setup.o.reduction)
-    ch = _Chunker(x, weight, bias, t, setup, ctx.weights)
-    for a in range(0, x.shape[0], setup.plan.rows):
+    kept, ctx.kept = ctx.kept, None  # once: a second backward (retain_graph) recomputes every chunk
+    ch = kept[0] if kept is not None else _Chunker(x, weight, bias, t, setup, ctx.weights)
+    starts = list(range(0, x.shape[0], setup.plan.rows))[::-1]  # the chunk forward ended with first
+    for i, a in enumerate(starts):
         b = min(a + setup.plan.rows, x.shape[0])
-        z = ch.logits(a, b)
+        if i == 0 and kept is not None and kept[1] == a:
+            z = ch.half[: b - a]  # forward's logits of this chunk, still in the buffer
+        else:
+            z = ch.logits(a, b)
         ch.loss_and_grad(z, a, b, grad_scale=scale, lse=lse[a:b])
-        ch.accumulate(ch.gradient(z), a, b, dx, dw, db, first=fresh and a == 0)
+        ch.accumulate(ch.gradient(z), a, b, dx, dw, db, first=fresh and i == 0)
     return grads
 
 

@@ -184,3 +184,21 @@ def test_float32_logits_are_closer_to_the_fp64_oracle_than_the_rounded_ones():
         linear_cross_entropy(x, w, t, logits_dtype=torch.float16)
     x32, w32 = x.float(), w.float()
     assert torch.equal(linear_cross_entropy(x32, w32, t), linear_cross_entropy(x32, w32, t, logits_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_bf16_backward_reuses_forwards_last_chunk_once_and_recomputes_on_a_second_backward(reduction):
+    """The last chunk's logits kept from forward serve the first backward only: a second backward (retain_graph)
+    recomputes every chunk and gives the same gradients."""
+    x, w, t = _inputs(torch.bfloat16, n=50, v=301)
+    xs, ws = _leaves(x, w)
+    loss = linear_cross_entropy(xs, ws, t, reduction=reduction, chunk_size=16)
+    loss.sum().backward(retain_graph=reduction == "none")
+    first = xs.grad.clone(), ws.grad.clone()
+    if reduction == "none":
+        xs.grad = ws.grad = None
+        loss.sum().backward()
+        assert torch.equal(xs.grad, first[0]) and torch.equal(ws.grad, first[1])
+    ref = _transformers_reference(x, w, t) if reduction == "mean" else None
+    if ref is not None:
+        torch.testing.assert_close(first[0].float(), ref[1].float(), rtol=1.6e-2, atol=1e-3)

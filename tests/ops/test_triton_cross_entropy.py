@@ -110,6 +110,39 @@ def test_interpreted_bf16_default_computes_what_transformers_computes(small_bloc
 
 
 @interpreted
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_interpreted_peer_options_through_the_kernel(small_blocks, reduction):
+    """class_weights (torch's weight=, smoothing and z-loss), shift, return_lse and return_accuracy on the kernel
+    path agree with float64 references, gradients included."""
+    b, time, h, v = 2, 7, 8, 150
+    x, w = torch.randn(b, time, h), torch.randn(v, h) * 0.7
+    labels = torch.randint(0, v, (b, time))
+    labels[0, 2] = -100
+    cw = torch.rand(v) + 0.5
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    z = (x64[:, :-1] @ w64.T).reshape(-1, v)
+    t = labels[:, 1:].reshape(-1)
+    valid = t != -100
+    ce = torch.nn.functional.cross_entropy(z, t, weight=cw.double(), label_smoothing=0.1, reduction="none")
+    lse_ref = torch.logsumexp(z, -1) * valid
+    zl = 0.02 * lse_ref**2
+    ref = ce.sum() / cw.double()[t[valid]].sum() + zl.sum() / valid.sum() if reduction == "mean" else ce + zl
+    (ref.sum() + lse_ref.sum()).backward()
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, lse, acc = linear_cross_entropy(xs, ws, labels, shift=1, class_weights=cw, label_smoothing=0.1, z_loss=0.02,
+                                          reduction=reduction, return_lse=True, return_accuracy=True, chunk_size=5,
+                                          backend="triton")
+    torch.testing.assert_close(loss.double().reshape(-1), ref.detach().reshape(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.double().reshape(-1), lse_ref.detach(), rtol=1e-5, atol=1e-6)
+    hits = ((z.argmax(-1) == t) & valid).double()
+    expected = hits if reduction == "none" else (hits.sum() / valid.sum()).reshape(1)
+    torch.testing.assert_close(acc.double().reshape(-1), expected)
+    (loss.sum() + lse.sum()).backward()
+    torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(ws.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
+
+
+@interpreted
 def test_interpreted_bad_target_is_nan_not_a_crash(small_blocks):
     logits = torch.randn(4, 150, requires_grad=True)
     target = torch.tensor([3, 150, -7, -100])

@@ -7,6 +7,11 @@ The kernel computes per row the loss and the log-sum-exp, and optionally the gra
 with respect to the raw logits times a per-row factor; the gradient may be written over the logits
 themselves (each block is read before it is written). The true-class term ``p_t - (1 - eps)`` is
 formed in fp32 before the single rounding to the output dtype.
+
+With class weights ``w`` (``W = sum(w)``), z-loss coefficient ``zl = z_loss * z_scale`` and ``p = exp(z - lse)``:
+``loss = (1-eps) w_t (lse - z_t) + eps/V (W lse - sum_c w_c z_c) + zl lse^2`` and
+``dloss/dz_c = p_c ((1-eps) w_t + eps/V W + 2 zl lse) - eps/V w_c - (1-eps) w_t [c == t]``
+(without weights ``w = 1``, ``W = V``: the unweighted formulas, computed by their own code path).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ def _ce_rows_kernel(
     LSE,
     SCALE,
     stride_scale,
+    WEIGHT,
+    WSUM,
+    ZSCALE,
     n_cols,
     ignore_index,
     eps,
@@ -54,6 +62,8 @@ def _ce_rows_kernel(
     WRITE_GRAD: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_ZSCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -77,6 +87,13 @@ def _ce_rows_kernel(
                 tl.store(G + offs, zero.to(G.dtype.element_ty), mask=offs < n_cols)
         return
 
+    zl = z_loss
+    if HAS_ZSCALE:
+        zl = z_loss * tl.load(ZSCALE).to(tl.float32)
+    if HAS_WEIGHT:
+        wt = tl.load(WEIGHT + tl.where(ok, t, 0)).to(tl.float32)
+        wsum = tl.load(WSUM).to(tl.float32)
+
     if HAS_LSE:
         lse = tl.load(LSE + row)
     else:
@@ -90,7 +107,11 @@ def _ce_rows_kernel(
             if HAS_SOFTCAP:
                 z = softcap * _tanh(z / softcap)
             if HAS_SMOOTHING:
-                zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+                if HAS_WEIGHT:
+                    w = tl.load(WEIGHT + offs, mask=mask, other=0.0).to(tl.float32)
+                    zsum += tl.sum(tl.where(mask, w * z, 0.0), axis=0)  # sum_c w_c z_c
+                else:
+                    zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
             z = tl.where(mask, z, float("-inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
@@ -101,10 +122,15 @@ def _ce_rows_kernel(
             zt = tl.load(X + tl.where(ok, t, 0)).to(tl.float32)
             if HAS_SOFTCAP:
                 zt = softcap * _tanh(zt / softcap)
-            loss = lse - (1.0 - eps) * zt
-            if HAS_SMOOTHING:
-                loss -= eps * zsum / n_cols
-            loss += z_loss * lse * lse
+            if HAS_WEIGHT:
+                loss = (1.0 - eps) * wt * (lse - zt)
+                if HAS_SMOOTHING:
+                    loss += eps / n_cols * (wsum * lse - zsum)
+            else:
+                loss = lse - (1.0 - eps) * zt
+                if HAS_SMOOTHING:
+                    loss -= eps * zsum / n_cols
+            loss += zl * lse * lse
             loss = tl.where(bad, float("nan"), loss)
             tl.store(LOSS + row, loss)
 
@@ -112,8 +138,15 @@ def _ce_rows_kernel(
         G += row * stride_g
         scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
         scale = tl.where(bad, float("nan"), scale)
-        coef = 1.0 + 2.0 * z_loss * lse
         smooth = eps / n_cols
+        if HAS_WEIGHT:
+            wt_true = (1.0 - eps) * wt
+            coef = wt_true + 2.0 * zl * lse
+            if HAS_SMOOTHING:
+                coef += smooth * wsum
+        else:
+            wt_true = 1.0 - eps
+            coef = 1.0 + 2.0 * zl * lse
         for start in range(0, n_cols, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n_cols
@@ -125,8 +158,12 @@ def _ce_rows_kernel(
                 z = x
             g = tl.exp(z - lse) * coef
             if HAS_SMOOTHING:
-                g = g - smooth
-            g = tl.where(offs == t, g - (1.0 - eps), g)
+                if HAS_WEIGHT:
+                    w = tl.load(WEIGHT + offs, mask=mask, other=0.0).to(tl.float32)
+                    g = g - smooth * w
+                else:
+                    g = g - smooth
+            g = tl.where(offs == t, g - wt_true, g)
             if HAS_SOFTCAP:
                 g = g * (1.0 - th * th)
             g = g * scale
@@ -152,16 +189,36 @@ def ce_rows(
     lse_known: bool = False,
     grad: torch.Tensor | None = None,
     grad_scale: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    weight_sum: torch.Tensor | None = None,
+    z_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the kernel over the rows of ``x`` (``(r, V)``, unit stride along V); returns ``lse``.
 
     ``loss`` (fp32 ``(r,)``) receives per-row losses when given. ``lse`` (fp32 ``(r,)``) is read when
     ``lse_known`` else written. ``grad`` (``(r, V)``, may be ``x`` itself) receives
     ``dloss/dx * grad_scale`` when given; ``grad_scale`` is fp32 with 1 element or ``r`` elements.
+    ``weight`` (fp32 ``(V,)``) weighs the classes as ``F.cross_entropy(weight=...)`` does per row (no
+    normalisation), and then needs ``weight_sum`` (1 element holding ``weight.sum()``). ``z_scale`` (1 element)
+    multiplies ``z_loss``; tensors, so that nothing waits for the host. All on ``x``'s device.
     """
     n_rows, n_cols = x.shape
     if x.stride(1) != 1 or (grad is not None and grad.stride(1) != 1):
         raise ValueError("ce_rows needs unit stride along the vocabulary dimension")
+    if weight is not None:
+        if weight_sum is None:
+            raise ValueError("ce_rows: weight needs weight_sum (a 1-element tensor holding weight.sum())")
+        if weight.numel() != n_cols or weight_sum.numel() != 1:
+            raise ValueError(f"ce_rows: weight needs {n_cols} elements and weight_sum 1, got {weight.numel()} and "
+                             f"{weight_sum.numel()}")
+        if weight.device != x.device or weight_sum.device != x.device:
+            raise ValueError("ce_rows: weight and weight_sum must be on the logits' device")
+        weight = weight.to(torch.float32).contiguous()
+        weight_sum = weight_sum.to(torch.float32).contiguous()
+    if z_scale is not None:
+        if z_scale.numel() != 1 or z_scale.device != x.device:
+            raise ValueError("ce_rows: z_scale must be a 1-element tensor on the logits' device")
+        z_scale = z_scale.to(torch.float32).contiguous()
     if lse is None:
         if lse_known:
             raise ValueError("ce_rows: lse_known=True needs lse")
@@ -184,6 +241,9 @@ def ce_rows(
         lse,
         grad_scale if grad is not None else lse,
         stride_scale if grad is not None else 0,
+        weight if weight is not None else lse,
+        weight_sum if weight is not None else lse,
+        z_scale if z_scale is not None else lse,
         n_cols,
         ignore_index,
         float(label_smoothing),
@@ -194,6 +254,8 @@ def ce_rows(
         WRITE_GRAD=grad is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_WEIGHT=weight is not None,
+        HAS_ZSCALE=z_scale is not None,
         BLOCK=block,
         num_warps=num_warps,
     )
