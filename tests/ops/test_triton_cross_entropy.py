@@ -1,8 +1,9 @@
 """The Triton cross-entropy kernel on CPU under ``TRITON_INTERPRET=1``.
 
 The interpreter is chosen when triton decorates the kernel, so the checks run in a subprocess with
-the variable set (it never leaks into other tests): the driver test below re-runs this file and
-``test_padded_index_gather.py`` there, where only the ``interpreted`` tests run.
+the variable set (it never leaks into other tests): the driver test below re-runs this file,
+``test_padded_index_gather.py`` and ``test_triton_class_weights.py`` there, where only the ``interpreted`` tests
+run.
 """
 
 import functools
@@ -30,7 +31,8 @@ def test_triton_kernels_in_a_subprocess():
     # a fresh interpreter (triton.language decorates its own functions at import: a process forked from one that
     # imported Lightning would hold compiled ones) that imports no library beyond what these tests do
     env = dict(os.environ, TRITON_INTERPRET="1", MEMKIT_TEST_GC_FREEZE="0")
-    files = [str(Path(__file__)), str(Path(__file__).with_name("test_padded_index_gather.py"))]
+    files = [str(Path(__file__)), *(str(Path(__file__).with_name(name)) for name in
+                                    ("test_padded_index_gather.py", "test_triton_class_weights.py"))]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", *files]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = run.stdout[-6000:] + run.stderr[-2000:]
