@@ -114,6 +114,13 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.is_inference_mode_enabled():
+            # without autograd keys a composite op (F.cross_entropy's cross_entropy_loss) reaches the mode whole and
+            # allocates its intermediates below it: run its decomposition with the mode on, as FakeTensorMode does
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         inputs = set()
         for t in iter_op_tensors(args):
             if has_storage(t):

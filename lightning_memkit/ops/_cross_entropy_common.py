@@ -331,18 +331,15 @@ def torch_rows(
         zsum = None
         if eps > 0.0:
             zsum = z.sum(1) if weights is None else z @ weights.weight
-        if not want_grad:  # one fused read-only op: z is not needed afterwards
-            lse = torch.logsumexp(z, 1)
-        else:
-            m = z.amax(1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            z.sub_(m).exp_()
-            s = z.sum(1, keepdim=True)
-            lse = (m + s.log()).squeeze(1)
-            inv_s = s.reciprocal_().squeeze(1)  # z holds exp(z - m); p = z / s
+        m = z.amax(1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        z.sub_(m).exp_()
+        s = z.sum(1, keepdim=True)
+        lse = (m + s.log()).squeeze(1)
         loss = _row_loss(lse, zt, zsum, eps, n_classes, zl, w_t, weights)
         fill = torch.where(bad, float("nan"), 0.0).to(loss.dtype)
         loss = torch.where(ok, loss, fill)
+        inv_s = s.reciprocal_().squeeze(1)  # z holds exp(z - m); p = z / s
     else:
         if not shifted:
             z.sub_(lse.unsqueeze(1))
