@@ -177,3 +177,18 @@ def test_interpreted_weight_needs_weight_sum(kernels):
     with pytest.raises(ValueError, match="weight"):
         kernels.ce_rows(x, target, ignore_index=-100, label_smoothing=0.1, z_loss=0.0, softcap=None,
                         loss=torch.empty(N), weight=weight[:-1], weight_sum=weight.sum().reshape(1))
+
+
+@interpreted
+def test_interpreted_bad_arguments_fail_on_empty_rows_too(kernels):
+    """Argument checks come before the early return of an empty chunk: the same call fails with or without rows."""
+    x, target, weight = make_case(torch.float32)
+    args = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
+    for rows in (N, 0):
+        xs, ts = x[:rows], target[:rows]
+        with pytest.raises(ValueError, match="weight_sum"):
+            kernels.ce_rows(xs, ts, **args, weight=weight)
+        with pytest.raises(ValueError, match="grad_scale"):
+            kernels.ce_rows(xs, ts, **args, grad=xs.clone())
+        with pytest.raises(ValueError, match="z_scale"):
+            kernels.ce_rows(xs, ts, **args, z_scale=torch.ones(2))

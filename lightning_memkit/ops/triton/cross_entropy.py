@@ -219,6 +219,8 @@ def ce_rows(
         if z_scale.numel() != 1 or z_scale.device != x.device:
             raise ValueError("ce_rows: z_scale must be a 1-element tensor on the logits' device")
         z_scale = z_scale.to(torch.float32).contiguous()
+    if grad is not None and grad_scale is None:  # checked before any early return: bad input fails on empty too
+        raise ValueError("ce_rows: a gradient needs grad_scale")
     if lse is None:
         if lse_known:
             raise ValueError("ce_rows: lse_known=True needs lse")
@@ -226,8 +228,6 @@ def ce_rows(
     if n_rows == 0:
         return lse
     if grad is not None:
-        if grad_scale is None:
-            raise ValueError("ce_rows: a gradient needs grad_scale")
         grad_scale = grad_scale.to(torch.float32).contiguous()
         stride_scale = 0 if grad_scale.numel() == 1 else 1
     block, num_warps = _launch_shape(n_cols)
