@@ -77,8 +77,7 @@ class FusedLinearCrossEntropy(Callback):
         self._trainer: Trainer | None = None
         self._module: LightningModule | None = None
         self._stack: contextlib.ExitStack | None = None
-        self._loop: str | None = None  # the top-level loop that entered the open stack ("fit", "validate", ...)
-        self._counted_loop: str | None = None  # the loop the counters belong to
+        self._loop: str | None = None  # the top-level loop last entered ("fit", "validate", ...): the counters' loop
         self.fused_calls = 0
         self.logits_bytes_avoided = 0
         self.max_logits_bytes = 0
@@ -92,7 +91,7 @@ class FusedLinearCrossEntropy(Callback):
         models = find_causal_lms(pl_module)
         stack = contextlib.ExitStack()
         self.fused_calls = self.logits_bytes_avoided = self.max_logits_bytes = 0
-        self._counted_loop = loop
+        self._loop = loop
         self._trainer, self._module = trainer, pl_module
         try:
             for model in models:
@@ -103,7 +102,7 @@ class FusedLinearCrossEntropy(Callback):
         except BaseException:
             stack.close()
             raise
-        self._stack, self._loop = stack, loop
+        self._stack = stack
 
     def _leave(self, loop: str) -> None:
         """Leave the open entry if ``loop`` entered it (fit's validation does not leave fit's entry)."""
@@ -118,7 +117,7 @@ class FusedLinearCrossEntropy(Callback):
         return fn is None or fn == "fit"  # TrainerFn is a str enum; fn is None when called outside a Trainer run
 
     def _exit(self) -> None:
-        stack, self._stack, self._loop = self._stack, None, None
+        stack, self._stack = self._stack, None
         self._trainer = self._module = None
         if stack is not None:
             stack.close()
@@ -156,7 +155,7 @@ class FusedLinearCrossEntropy(Callback):
     def memory_effect(self) -> str:
         """One line: the logits bytes the fused loss did not materialize (tokens x vocab in the head's dtype) in
         the current (or last) top-level loop."""
-        loop = self._counted_loop or "run"
+        loop = self._loop or "run"
         if not self.fused_calls:
             return f"FusedLinearCrossEntropy: no forward call with labels ran fused during this {loop}"
         return (f"FusedLinearCrossEntropy: logits not materialized in {self.fused_calls} forward calls during "

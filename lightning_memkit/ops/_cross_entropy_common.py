@@ -264,7 +264,7 @@ def class_weighting(
     w = class_weights.detach().to(torch.float32)
     total = w.sum().reshape(1)
     if o.reduction != "mean":
-        return ClassWeights(w, total, None), None, torch.ones(1, dtype=torch.float32, device=target.device)
+        return (ClassWeights(w, total, None), *grad_base_scale(target, o))
     valid = target != o.ignore_index
     kept = torch.where(valid, target, 0)
     denom = (w[kept] * valid).sum()

@@ -26,8 +26,7 @@ import functools
 
 import torch
 
-__all__ = ["HALF", "check_logits_dtype", "head_softcap", "head_softcap_backward", "mm_float32",
-           "native_half_matmul"]
+__all__ = ["HALF", "check_logits_dtype", "head_softcap", "head_softcap_backward", "native_half_matmul"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -77,13 +76,3 @@ def head_softcap_backward(g: torch.Tensor, cap: float, keep: torch.Tensor) -> No
     torch.ops.aten.tanh_backward.grad_input(g, keep, grad_input=g)
     g.div_(cap)
 
-
-def mm_float32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` in float32 for half ``a``/``b`` without rounding the products (``out_dtype`` on CUDA)."""
-    if a.device.type == "cuda":
-        try:
-            out.copy_(torch.mm(a, b, out_dtype=torch.float32))
-            return
-        except (RuntimeError, TypeError):
-            pass
-    torch.mm(a.float(), b.float(), out=out)

@@ -70,7 +70,6 @@ from lightning_memkit.ops._head_numerics import (
     check_logits_dtype,
     head_softcap,
     head_softcap_backward,
-    mm_float32,
     native_half_matmul,
 )
 from lightning_memkit.ops.cross_entropy import check_logits_target, kernel_args, scale_for_backward
@@ -82,20 +81,21 @@ _ACCUM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _MIXED_ADDMM_OK: dict[tuple, bool] = {}
 
 
-def _addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` possibly wider than ``a``/``b`` (fp32 accumulation of bf16)."""
+def _addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
+    """``acc = beta * acc + a @ b`` with ``acc`` possibly wider than ``a``/``b`` (fp32 accumulation of bf16; with
+    ``beta=0`` the fp32 product of half operands, ``acc``'s old values ignored)."""
     if a.dtype == acc.dtype and b.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
         return
     key = (acc.device.type, a.dtype, acc.dtype)
     if acc.device.type == "cuda" and a.dtype == b.dtype and _MIXED_ADDMM_OK.get(key, True):
         try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
             _MIXED_ADDMM_OK[key] = True
             return
         except (RuntimeError, TypeError):
             _MIXED_ADDMM_OK[key] = False
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
 
 class _Setup(NamedTuple):
@@ -119,7 +119,7 @@ class _Chunker:
         self.x, self.w, self.b, self.t = x, weight, bias, target
         self.backend, self.rows, self.slab, self.accum_dtype = setup.backend, setup.plan.rows, setup.plan.slab, \
             setup.accum_dtype
-        self.weights, self.round_to = weights, setup.round_to
+        self.weights = weights
         n, v = x.shape[0], weight.shape[0]
         rows, dev = min(self.rows, max(n, 1)), x.device
         # softcap in the head's dtype (transformers' order of roundings) before the rows' math, which then has none
@@ -169,8 +169,8 @@ class _Chunker:
         elif self.sub:  # a GEMM in the head's dtype, rounded once (as F.linear); the rows' math reads it in blocks
             z = self.half[: b - a]
             self._product(xc, z)
-        else:  # float32 logits of half inputs
-            mm_float32(xc, self.w.t(), z)
+        else:  # float32 logits of half inputs, the products not rounded
+            _addmm_into(z, xc, self.w.t(), beta=0.0)
             if self.b is not None:
                 z.add_(self.b)
         return self._finish_logits(z, b - a)
@@ -218,9 +218,9 @@ class _Chunker:
                 grad_scale=gs, **self.kargs, **extra,
             )
             return loss, out
-        keep = None if self.keep is None or self.cap is not None else self.keep[: b - a]
         if self.sub:
             return self._blocked_rows(z, t, gs, lse)
+        keep = None if self.keep is None or self.cap is not None else self.keep[: b - a]
         return torch_rows(z, t, self.o, grad_scale=gs, lse=lse, keep=keep, weights=self.weights)
 
     def _blocked_rows(self, z, t, gs, lse):
