@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +39,11 @@ __all__ = [
     "class_weighting",
     "check_class_weights",
     "torch_rows",
+    "row_masks",
+    "row_terms",
+    "row_grad",
+    "apply_row_grad",
+    "RowGrad",
     "triton_kernels",
 ]
 
@@ -272,12 +278,21 @@ def class_weighting(
     return ClassWeights(w, total, (denom / count).reshape(1)), denom, (1.0 / denom).reshape(1)
 
 
-def _row_masks(target: torch.Tensor, n_classes: int, ignore_index: int):
+def row_masks(target: torch.Tensor, n_classes: int, ignore_index: int):
     valid = target != ignore_index
     ok = valid & (target >= 0) & (target < n_classes)
     bad = valid & ~ok
     safe = torch.where(ok, target, 0)
     return ok, bad, safe
+
+
+def row_terms(target: torch.Tensor, o: CrossEntropyOptions, weights: ClassWeights | None, n_classes: int):
+    """``(ok, bad, safe, zl, w_t)`` of rows with ``target``: the masks of :func:`row_masks`, the z-loss coefficient
+    (scaled for class weights) and the targets' class weights (None without)."""
+    ok, bad, safe = row_masks(target, n_classes, o.ignore_index)
+    zl = o.z_loss if weights is None or weights.z_scale is None or not o.z_loss else o.z_loss * weights.z_scale
+    w_t = None if weights is None else torch.where(ok, weights.weight[safe], 0.0)
+    return ok, bad, safe, zl, w_t
 
 
 def _tanh_and_cap(z: torch.Tensor, cap: float, keep: torch.Tensor | None) -> None:
@@ -317,10 +332,8 @@ def torch_rows(
     n_classes = z.shape[1]
     eps = float(o.label_smoothing)
     cap = o.softcap
-    ok, bad, safe = _row_masks(target, n_classes, o.ignore_index)
+    ok, bad, safe, zl, w_t = row_terms(target, o, weights, n_classes)
     want_grad = grad_scale is not None
-    zl = o.z_loss if weights is None or weights.z_scale is None or not o.z_loss else o.z_loss * weights.z_scale
-    w_t = None if weights is None else torch.where(ok, weights.weight[safe], 0.0)
     if cap is not None:
         if want_grad and keep is None:
             raise ValueError("torch_rows: softcap with a gradient needs the keep buffer")
@@ -346,7 +359,10 @@ def torch_rows(
         z.exp_()  # z holds p
         inv_s = None
     if want_grad:
-        _row_grad(z, lse, inv_s, grad_scale, ok, bad, safe, eps, zl, w_t, weights)
+        c = row_grad(lse, grad_scale, ok, bad, eps, zl, w_t, weights, n_classes)
+        if inv_s is not None:  # z holds exp(z - m): p = z / s
+            c = c._replace(coef=c.coef * inv_s)
+        apply_row_grad(z, c, safe, None if weights is None else weights.weight)
         if cap is not None:
             keep.square_().neg_().add_(1.0)  # d(cap * tanh(x / cap))/dx = 1 - tanh^2
             z.mul_(keep)
@@ -373,9 +389,18 @@ def _has_z(zl) -> bool:
     return isinstance(zl, torch.Tensor) or bool(zl)
 
 
-def _row_grad(z, lse, inv_s, grad_scale, ok, bad, safe, eps, zl, w_t, weights) -> None:
-    """Overwrite ``z`` (``exp(z - m)``, or ``p`` when ``inv_s`` is None) with the scaled gradient of the row losses."""
-    n_classes = z.shape[1]
+class RowGrad(NamedTuple):
+    """Per-row coefficients of the loss's gradient with respect to the logits: ``coef * p - smooth * w +
+    target * onehot`` (``w``: the class weights, or 1; ``smooth`` None without label smoothing)."""
+
+    coef: torch.Tensor
+    target: torch.Tensor
+    smooth: torch.Tensor | None
+
+
+def row_grad(lse, grad_scale, ok, bad, eps, zl, w_t, weights, n_classes: int) -> RowGrad:
+    """The :class:`RowGrad` of rows with log-sum-exp ``lse`` scaled by ``grad_scale`` (0 where ignored, NaN for bad
+    targets; ``w_t``: the targets' class weights, or None)."""
     gs = torch.where(ok, grad_scale.to(torch.float32), 0.0)
     gs = torch.where(bad, float("nan"), gs)
     if weights is None:
@@ -387,14 +412,19 @@ def _row_grad(z, lse, inv_s, grad_scale, ok, bad, safe, eps, zl, w_t, weights) -
             p_coef = p_coef + 2.0 * zl * lse
         coef = gs * p_coef
         target_coef = gs * -(1.0 - eps) * w_t
-    if inv_s is not None:
-        coef = coef * inv_s
-    z.mul_(coef.unsqueeze(1))
-    if eps > 0.0 and weights is None:
-        z.sub_((gs * (eps / n_classes)).unsqueeze(1))
-    elif eps > 0.0:
-        z.addr_(gs, weights.weight, alpha=-(eps / n_classes))
-    z.scatter_add_(1, safe.unsqueeze(1), target_coef.unsqueeze(1))
+    return RowGrad(coef, target_coef, gs * (eps / n_classes) if eps > 0.0 else None)
+
+
+def apply_row_grad(p: torch.Tensor, c: RowGrad, index: torch.Tensor, class_weight: torch.Tensor | None) -> None:
+    """Overwrite ``p`` (probabilities of some rows and columns) with the gradient of :func:`row_grad`'s ``c``:
+    ``c.target`` lands at column ``index`` of each row (give 0 there for targets outside the columns);
+    ``class_weight``: the columns' class weights, or None."""
+    p.mul_(c.coef.unsqueeze(1))
+    if c.smooth is not None and class_weight is None:
+        p.sub_(c.smooth.unsqueeze(1))
+    elif c.smooth is not None:
+        p.addr_(c.smooth, class_weight, alpha=-1.0)
+    p.scatter_add_(1, index.unsqueeze(1), c.target.unsqueeze(1))
 
 
 def reduce_loss(loss_rows: torch.Tensor, o: CrossEntropyOptions, n_valid: torch.Tensor | None, shape, dtype):

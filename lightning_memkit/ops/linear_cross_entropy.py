@@ -72,6 +72,7 @@ from lightning_memkit.ops._head_numerics import (
     head_softcap_backward,
     native_half_matmul,
 )
+from lightning_memkit.ops._vocab_backward import block_rows, vocab_sliced_grads
 from lightning_memkit.ops.cross_entropy import check_logits_target, kernel_args, scale_for_backward
 
 __all__ = ["linear_cross_entropy"]
@@ -261,9 +262,8 @@ class _Chunker:
             return z
         return g
 
-    def accumulate(self, g, a, b, dx, dw, db, *, add: bool = False, first: bool = False) -> None:
-        """Turn the chunk gradient ``g`` (``dloss/dlogits``) into its share of ``dx``, ``dW``, ``db`` (``first``:
-        ``dW`` was allocated empty for this first chunk to write, see :func:`_fresh_dw`)."""
+    def accumulate(self, g, a, b, dx, dw, db, *, add: bool = False) -> None:
+        """Turn the chunk gradient ``g`` (``dloss/dlogits``) into its share of ``dx``, ``dW``, ``db``."""
         if self.slab:
             self._accumulate_upcast(g, a, b, dx, dw, add)
         else:
@@ -274,9 +274,7 @@ class _Chunker:
                     dx[a:b].addmm_(gw, self.w)
                 else:
                     torch.mm(gw, self.w, out=dx[a:b])
-            if dw is not None and first:
-                torch.mm(g.t(), xc, out=dw)
-            elif dw is not None:
+            if dw is not None:
                 _addmm_into(dw, g.t(), xc)
         if db is not None:
             db.add_(g.sum(0, dtype=torch.float32))
@@ -323,12 +321,12 @@ class _Chunker:
         return self.gradient(z)
 
 
-def _buffers(x, weight, bias, accum_dtype, need, zero=False, fresh_dw=False):
+def _buffers(x, weight, bias, accum_dtype, need, zero=False):
     new = torch.zeros_like if zero else torch.empty_like
     dx = new(x) if need[0] else None
     dw = None
     if need[1]:
-        dw = (torch.empty if fresh_dw else torch.zeros)(weight.shape, dtype=accum_dtype, device=weight.device)
+        dw = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device)
     # db costs V values: always accumulated in fp32 (or wider), cast at the end
     db_dtype = torch.promote_types(accum_dtype, torch.float32)
     db = torch.zeros(bias.shape, dtype=db_dtype, device=bias.device) if need[2] else None
@@ -385,9 +383,6 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             lse[a:b] = lse_c
             if in_forward:
                 ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
-        # the half path leaves the last chunk's logits untouched in its buffer: backward (the loss is the graph's
-        # last op, so it runs next) starts with that chunk and skips one GEMM; the buffers are backward's anyway
-        ctx.kept = (ch, a) if ch.sub and any(need) and not in_forward and n else None
         del ch
         valid = t != o.ignore_index
         if setup.accuracy:
@@ -441,34 +436,25 @@ def _forward_grads(ctx, grad_out):
 
 
 def _recomputed_grads(ctx, grad_out):
-    """``reduction="none"`` (and half inputs): the gradients, recomputing the logits chunk by chunk."""
+    """``reduction="none"`` (and half inputs): the gradients, recomputing the logits chunk by chunk (on the half
+    path slice by slice of the vocabulary, :mod:`~lightning_memkit.ops._vocab_backward`)."""
     x, weight, bias, t, lse = ctx.saved_tensors
     setup = ctx.setup
-    fresh = grad_out is not None and _fresh_dw(setup, weight, ctx.need)
-    grads = _buffers(x, weight, bias, setup.accum_dtype, ctx.need, zero=grad_out is None, fresh_dw=fresh)
     if grad_out is None:
-        ctx.kept = None
-        return grads
-    dx, dw, db = grads
+        return _buffers(x, weight, bias, setup.accum_dtype, ctx.need, zero=True)
     scale = scale_for_backward(grad_out, ctx.base, setup.o.reduction)
-    kept, ctx.kept = ctx.kept, None  # once: a second backward (retain_graph) recomputes every chunk
-    ch = kept[0] if kept is not None else _Chunker(x, weight, bias, t, setup, ctx.weights)
-    starts = list(range(0, x.shape[0], setup.plan.rows))[::-1]  # the chunk forward ended with first
-    for i, a in enumerate(starts):
+    if setup.plan.cols:
+        block = block_rows(x.shape[0], setup.plan.cols, SUB_BLOCK_BYTES, MIN_SUB_ROWS)
+        return vocab_sliced_grads(x, weight, bias, t, lse, scale, setup, ctx.weights, ctx.need, block=block)
+    grads = _buffers(x, weight, bias, setup.accum_dtype, ctx.need)
+    dx, dw, db = grads
+    ch = _Chunker(x, weight, bias, t, setup, ctx.weights)
+    for a in range(0, x.shape[0], setup.plan.rows):
         b = min(a + setup.plan.rows, x.shape[0])
-        if i == 0 and kept is not None and kept[1] == a:
-            z = ch.half[: b - a]  # forward's logits of this chunk, still in the buffer
-        else:
-            z = ch.logits(a, b)
+        z = ch.logits(a, b)
         ch.loss_and_grad(z, a, b, grad_scale=scale, lse=lse[a:b])
-        ch.accumulate(ch.gradient(z), a, b, dx, dw, db, first=fresh and i == 0)
+        ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
     return grads
-
-
-def _fresh_dw(setup: _Setup, weight: torch.Tensor, need) -> bool:
-    """Whether ``dW`` can be left unfilled for the first chunk's product to write (the half path: its GEMMs' dtype is
-    ``dW``'s), saving a pass over ``dW``."""
-    return bool(need[1]) and setup.plan.sub > 0 and setup.accum_dtype == weight.dtype
 
 
 def _check_inputs(hidden, weight, bias, target, accum_dtype) -> None:
@@ -495,17 +481,20 @@ def _check_inputs(hidden, weight, bias, target, accum_dtype) -> None:
 class ChunkPlan(NamedTuple):
     """Rows of ``hidden`` per chunk, rows of ``weight`` per fp32 slab (0: no upcast, whole-weight matmuls), and on
     the half path (GEMMs in the head's dtype on the PyTorch backend) the rows of each fp32 block of the rows' math
-    (0: not that path)."""
+    and the classes per slice of the vocabulary in backward (0: not that path)."""
 
     rows: int
     slab: int
     sub: int = 0
+    cols: int = 0
 
 
 #: bytes of the half path's fp32 block: small enough to stay in a CPU core's cache between its passes, and at
 #: least ``MIN_SUB_ROWS`` rows (fewer ops per chunk with wide vocabularies: 4% faster at V=128,256)
 SUB_BLOCK_BYTES = 2 * 2**20
 MIN_SUB_ROWS = 16
+#: the fewest classes of a backward slice on the half path (a budget too small for them runs one-row GEMMs)
+MIN_SLICE_COLS = 16
 
 
 def _upcast(x: torch.Tensor, backend: str, round_to: torch.dtype | None) -> bool:
@@ -551,7 +540,19 @@ def chunk_plan(hidden, weight, n_rows, o, backend, chunk_size, chunk_bytes, roun
         rows = budget_rows(chunk_bytes, row_bytes, n_rows)
         if auto and not sub:  # tall GEMMs where their logits cost at most dW + dx and a quarter of the free memory
             rows = max(rows, row_floor(o.reduction, logit_row_bytes, row_bytes, grad_bytes, free))
-    return ChunkPlan(max(1, min(rows, n_rows)), slab, sub)
+    rows = max(1, min(rows, n_rows))
+    cols = _slice_cols(rows, n_rows, v, h, chunk_size, chunk_bytes, row_bytes) if sub else 0
+    return ChunkPlan(rows, slab, sub, cols)
+
+
+def _slice_cols(rows: int, n_rows: int, v: int, h: int, chunk_size, chunk_bytes: int, row_bytes: int) -> int:
+    """Classes per backward slice on the half path: with rows given, as many bytes as the forward chunk (``rows`` of
+    ``v`` classes); with ``"auto"`` the budget less the float32 ``dx`` accumulator beyond ``dx`` (4 bytes per
+    element), rounded down to a multiple of 16 from 32 classes up, at least :data:`MIN_SLICE_COLS`."""
+    if chunk_size != "auto":
+        return max(1, min(v, rows * v // n_rows))
+    cols = budget_rows(chunk_bytes - 4 * n_rows * h, n_rows * (row_bytes // v), v)
+    return max(cols, min(v, MIN_SLICE_COLS))
 
 
 def _shifted(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
