@@ -21,8 +21,10 @@ Design (measured in ``benchmarks/bench_cross_entropy.py``):
   On fake tensors (a memory estimate) the slab loops, which only write into buffers allocated before
   them, run as one product each of the same dimensions: the same storages, the same FLOPs, a
   hundred times fewer ops to trace.
-* ``reduction="none"``: ``dW`` depends on the per-token upstream gradients, so forward keeps only
-  the per-token log-sum-exp and backward recomputes the logits chunk by chunk.
+* ``reduction="none"``, and half inputs: forward keeps only the per-token log-sum-exp and backward
+  recomputes the logits chunk by chunk (the upstream gradient is applied before the logits' gradient is
+  rounded); on the half path (GEMMs in the head's dtype) slice by slice of the vocabulary instead, each
+  slice's rows of ``dW`` written once (:mod:`~lightning_memkit.ops._vocab_backward`).
 * No host syncs (except the optional target check, ``validate=True``). Inside ``torch.compile`` the
   op runs eagerly behind a graph break.
 
