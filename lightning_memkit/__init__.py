@@ -23,9 +23,12 @@ import importlib.abc
 import sys
 from typing import Any
 
+from lightning_memkit.common.bitsandbytes_log import drop_cpu_kernel_notice
 from lightning_memkit.common.lazy import lazy_exports
 
 __version__ = "0.1.0"
+
+drop_cpu_kernel_notice()  # bitsandbytes' import-time notice about an optional CPU kernel, on every import
 
 _HOMES: dict[str, tuple[str, ...]] = {
     "lightning_memkit.loading": ("dequantize_mxfp4", "load_mxfp4_into", "stream_dequantize"),

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -81,6 +82,23 @@ _LAYERS = {
 }
 
 
+def holds_packed_weights(state_dict: dict) -> bool:
+    """Whether ``state_dict`` is a converted model's: bitsandbytes' 4-bit quant state or int8 row scales."""
+    return any(k.endswith((".weight.absmax", ".SCB")) or k in ("weight.absmax", "SCB") for k in state_dict)
+
+
+def packed_modes(state_dict: dict) -> set[str]:
+    """The plugin modes (``nf4``, ``fp4-dq``, ``int8``, ...) of the packed Linear weights in ``state_dict``."""
+    modes = set()
+    for key in state_dict:
+        head, sep, kind = key.rpartition("weight.quant_state.bitsandbytes__")
+        if sep:
+            modes.add(kind + ("-dq" if f"{head}weight.nested_absmax" in state_dict else ""))
+        elif key == "SCB" or key.endswith(".SCB"):
+            modes.add("int8")
+    return modes
+
+
 # -- layer classes ---------------------------------------------------------------------------------------
 class _NoSave4bitMixin(NoSaveLinearMixin):
     @staticmethod
@@ -98,6 +116,23 @@ class _NoSave4bitMixin(NoSaveLinearMixin):
         )
         return _fabric_bnb._replace_param(params4bit, w_4bit, quant_state)
 
+    def load_packed_(self, packed: torch.Tensor, state_dict: dict, prefix: str) -> None:
+        key = prefix + "weight."
+        stats = {k[len(key):]: v for k, v in state_dict.items() if k.startswith(key)}
+        self.check_packed(packed, self.weight.quant_type)
+        if not stats:
+            raise ValueError(f"{type(self).__name__}: the state dict has a packed weight {prefix}weight but no "
+                             "quant state (absmax, quant_map) beside it")
+        device = self.weight.device
+        quant_state = _fabric_bnb._import_bitsandbytes().functional.QuantState.from_dict(stats, device=device)
+        mine = (self.weight.quant_type, self.weight.blocksize, bool(self.weight.compress_statistics))
+        theirs = (quant_state.quant_type, quant_state.blocksize, bool(quant_state.nested))
+        if mine != theirs or tuple(quant_state.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"{type(self).__name__}: the state dict's {prefix}weight was quantized as (type, block "
+                             f"size, double quantization) = {theirs} for shape {tuple(quant_state.shape)}, this "
+                             f"layer as {mine} for {(self.out_features, self.in_features)}")
+        self.weight = _fabric_bnb._replace_param(self.weight, packed.to(device), quant_state)
+
 
 class _NoSaveInt8Mixin(NoSaveLinearMixin):
     @staticmethod
@@ -110,6 +145,18 @@ class _NoSaveInt8Mixin(NoSaveLinearMixin):
         int8params.data = cb
         int8params.CB, int8params.SCB = cb, scb
         return int8params
+
+    def load_packed_(self, packed: torch.Tensor, state_dict: dict, prefix: str) -> None:
+        self.check_packed(packed, "int8")
+        scb = state_dict.get(prefix + "SCB")
+        if scb is None or scb.shape != (self.out_features,):
+            raise ValueError(f"{type(self).__name__}: the state dict's packed weight {prefix}weight needs its row "
+                             f"scales {prefix}SCB of shape ({self.out_features},)")
+        w = self.weight
+        w.data = packed.to(w.device).clone()
+        w.CB, w.SCB = w.data, scb.to(device=w.device, dtype=w.SCB.dtype).clone()
+        if self.state.SCB is not None:
+            self.state.SCB = w.SCB
 
     def _apply(self, fn, recurse: bool = True):
         # Module._apply assigns the moved tensor to ``weight.data``; the int8 row scales (SCB) that
@@ -331,6 +378,7 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         #: ``(layer name, dense bytes in dtype, packed bytes with quant state)`` per Linear weight quantized
         self.quantized_weights: list[tuple[str, int, int]] = []
         self.experts_converted = 0
+        self._converted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Replace the Linear layers (Lightning's conversion), quantize them where they are, add LoRA adapters.
@@ -345,6 +393,8 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         LM head tied to the embedding) stays an unquantized ``nn.Linear`` so the tie holds; an info log line
         names it.
         """
+        if module in self._converted:  # converted early to load a converted state dict (see convert_on_load)
+            return module
         bnb = _fabric_bnb._import_bitsandbytes()
         ours = tuple(_layer_classes().values())
         self._check_no_foreign_layers(module, bnb, ours)
@@ -374,7 +424,37 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
                 freeze_base_(model, self.dtype)  # memkit's and peft's adapters stay trainable
         self.experts_converted = len(conversions)
         log.debug("NoSaveBitsandbytesPrecision: %d experts modules converted to %s", len(conversions), self.mode)
+        self._converted.add(module)
         return module
+
+    def convert_on_load(self, module: nn.Module) -> torch.utils.hooks.RemovableHandle:
+        """Convert ``module`` as soon as a converted state dict (a checkpoint of a run with this plugin) is loaded
+        into it, before its tensors are copied: Lightning restores a checkpoint before the plugin converts the
+        model, so resuming would otherwise load packed weights into the unconverted layers. Returns the hook's
+        handle; :class:`~lightning_memkit.plugins.quantized_resume.QuantizedResume` registers it for every fit.
+
+        Example::
+
+            >>> from torch import nn
+            >>> plugin = NoSaveBitsandbytesPrecision("nf4", "float32", lora_rank=2)
+            >>> saved = plugin.convert_module(nn.Sequential(nn.Linear(64, 32))).state_dict()
+            >>> fresh = nn.Sequential(nn.Linear(64, 32))
+            >>> handle = plugin.convert_on_load(fresh)
+            >>> _ = fresh.load_state_dict(saved)  # converted first, then the packed weight restored as saved
+            >>> torch.equal(fresh[0].weight, saved["0.weight"]), type(fresh[0]).__name__
+            (True, 'NoSaveNF4Linear')
+        """
+
+        def convert_first(target, state_dict, *_args) -> None:
+            if target not in self._converted and holds_packed_weights(state_dict):
+                saved = packed_modes(state_dict)
+                if saved and saved != {self.mode}:  # refused before the model changes
+                    raise ValueError(f"NoSaveBitsandbytesPrecision(mode={self.mode!r}) cannot load a state dict "
+                                     f"quantized as {', '.join(sorted(saved))}: resume with the mode it was "
+                                     "trained with")
+                self.convert_module(target)
+
+        return module.register_load_state_dict_pre_hook(convert_first)
 
     def _convert_linears(self, module: nn.Module, ours: tuple[type, ...], kept: set[str]) -> nn.Module:
         """Lightning's layer replacement (``kept`` layers hidden from it), then quantize, freeze, add LoRA.

@@ -41,6 +41,8 @@ class NoSaveLinearMixin:
         ``weight`` (a state dict's, through Lightning's load hook) must be unquantized: packed bytes would be
         quantized again as if they were values.
         """
+        if weight is not None and weight is self.weight:
+            return  # the packed weight :meth:`_load_from_state_dict` restored, handed back by the load hook
         if weight is not None and not weight.is_floating_point():
             raise ValueError(
                 f"{type(self).__name__}: cannot load a {weight.dtype} weight of shape {tuple(weight.shape)}: it is "
@@ -48,6 +50,32 @@ class NoSaveLinearMixin:
                 "state dict into the model before the plugin converts it"
             )
         super().quantize_(weight, _quantize_device(self, weight, device))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A packed weight (a converted model's state dict, e.g. a checkpoint to resume) is restored as it was
+        saved, bit for bit, with its quant state; an unquantized one is quantized by Lightning's load hook."""
+        key = prefix + "weight"
+        weight = state_dict.get(key)
+        if weight is not None and not weight.is_floating_point() and self.is_quantized:
+            self.load_packed_(weight, state_dict, prefix)
+            # the weight copied onto itself (the load hook sees it is loaded); its quant state consumed
+            state_dict = {**{k: v for k, v in state_dict.items() if not k.startswith(key + ".")}, key: self.weight}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def load_packed_(self, packed: torch.Tensor, state_dict: dict, prefix: str) -> None:
+        """Restore this layer's packed weight from a converted state dict (per quantization kind)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load a packed weight")
+
+    def check_packed(self, packed: torch.Tensor, kind: str) -> None:
+        """A packed weight of another layout (another mode, shape or model) is refused, not loaded."""
+        if packed.dtype != self.weight.dtype or packed.shape != self.weight.shape:
+            raise ValueError(
+                f"{type(self).__name__}: the state dict's packed weight ({packed.dtype}, {tuple(packed.shape)}) is "
+                f"not this layer's layout ({self.weight.dtype}, {tuple(self.weight.shape)}, {kind}): it was saved "
+                "with another quantization mode or model"
+            )
 
     @property
     def is_quantized(self) -> bool:

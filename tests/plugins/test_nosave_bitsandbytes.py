@@ -322,16 +322,20 @@ def test_cuda_model_moved_after_cpu_conversion():
 
 
 @pytest.mark.parametrize("mode", ["nf4", "int8"])
-def test_a_converted_state_dict_is_refused_not_quantized_again(mode):
-    """Lightning's load hook would quantize the packed bytes as if they were values; that is an error instead."""
+def test_a_converted_state_dict_is_restored_as_saved_not_quantized_again(mode):
+    """Lightning's load hook would quantize the packed bytes as if they were values; the layer restores them (and
+    their quant state) bit for bit instead."""
     plugin = NoSaveBitsandbytesPrecision(mode, _dtype(mode), lora_rank=2)
+    torch.manual_seed(0)
     source = plugin.convert_module(nn.Sequential(nn.Linear(IN, OUT)))
+    torch.manual_seed(1)
     target = plugin.convert_module(nn.Sequential(nn.Linear(IN, OUT)))
-    packed = target[0].weight.detach().clone()
-    dtype = "torch.int8" if mode == "int8" else "torch.uint8"
-    with pytest.raises(ValueError, match=rf"cannot load a {dtype} weight of shape .*: it is already quantized"):
-        target.load_state_dict(source.state_dict(), strict=False)
-    assert torch.equal(target[0].weight.detach(), packed)
+    assert not torch.equal(target[0].weight.detach(), source[0].weight.detach())
+    target.load_state_dict(source.state_dict())
+    for key, value in source.state_dict().items():
+        assert torch.equal(target.state_dict()[key], value), key
+    x = torch.randn(4, IN, dtype=_dtype(mode))
+    torch.testing.assert_close(target(x), source(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["nf4", "int8"])

@@ -1,0 +1,174 @@
+"""Resuming a ``NoSaveBitsandbytesPrecision`` run: the model is converted before the checkpoint is restored
+(``QuantizedResume``, on every Trainer through Lightning's entry point), each packed weight comes back bit for bit,
+and the resumed run has the losses of the run that never stopped, also after a SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+
+from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+from lightning_memkit.plugins.nosave_bitsandbytes import packed_modes
+from lightning_memkit.plugins.quantized_resume import QuantizedResume
+
+pytest.importorskip("bitsandbytes")
+
+MODES = ["nf4", "nf4-dq", "fp4", "fp4-dq", "int8"]
+
+
+def _dtype(mode):
+    return "float16" if mode == "int8" else "bfloat16"
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32, bias=False))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_converted_state_dict_loads_bit_for_bit_into_a_fresh_model(mode):
+    plugin = NoSaveBitsandbytesPrecision(mode, _dtype(mode), lora_rank=2)
+    trained = plugin.convert_module(_net())
+    with torch.no_grad():
+        for p in trained.parameters():
+            if p.requires_grad:
+                p.add_(0.01)  # adapters away from their initial values
+    saved = trained.state_dict()
+    assert packed_modes(saved) == {mode}
+    fresh = _net()
+    with torch.no_grad():
+        fresh[0].weight.mul_(3)  # other base weights: the saved packed ones must win
+    handle = NoSaveBitsandbytesPrecision(mode, _dtype(mode), lora_rank=2).convert_on_load(fresh)
+    fresh.load_state_dict(saved)  # strict
+    handle.remove()
+    loaded = fresh.state_dict()
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key
+    x = torch.randn(5, 64, dtype=getattr(torch, _dtype(mode)))
+    assert torch.equal(fresh(x), trained(x))
+
+
+def test_a_state_dict_of_another_mode_is_refused_before_the_model_changes():
+    saved = NoSaveBitsandbytesPrecision("nf4", "bfloat16", lora_rank=2).convert_module(_net()).state_dict()
+    fresh = _net()
+    NoSaveBitsandbytesPrecision("fp4", "bfloat16", lora_rank=2).convert_on_load(fresh)
+    with pytest.raises(ValueError, match=r"mode='fp4'\) cannot load a state dict quantized as nf4"):
+        fresh.load_state_dict(saved)
+    assert type(fresh[0]) is nn.Linear  # not converted
+
+
+def test_a_packed_weight_of_another_shape_is_refused():
+    saved = NoSaveBitsandbytesPrecision("nf4", "bfloat16").convert_module(nn.Sequential(nn.Linear(64, 64)))
+    target = NoSaveBitsandbytesPrecision("nf4", "bfloat16").convert_module(nn.Sequential(nn.Linear(64, 32)))
+    with pytest.raises(ValueError, match="is not this layer's layout"):
+        target.load_state_dict(saved.state_dict())
+
+
+def test_every_trainer_has_the_callback_and_it_is_inert_without_the_plugin(tmp_path):
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=1,
+                      enable_progress_bar=False, enable_model_summary=False)
+    hooks = [cb for cb in trainer.callbacks if isinstance(cb, QuantizedResume)]
+    assert len(hooks) == 1
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    model = BoringModel()
+    trainer.fit(model)
+    assert hooks[0]._handle is None and not model._load_state_dict_pre_hooks
+
+
+class _Losses(Callback):
+    def __init__(self, path=None):
+        self.losses, self.path = [], path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        if self.path is not None:
+            Path(self.path).write_text(json.dumps(self.losses))
+
+
+def _fit(max_steps, mode, rank, peft, dirpath, ckpt_path=None, family="llama"):
+    from lightning_memkit.demo import ByteTextDataModule, HFCausalLM
+
+    torch.manual_seed(0)
+    model = HFCausalLM(family, peft_lora={"r": 4, "target_modules": ["q_proj", "v_proj"]} if peft else None)
+    data = ByteTextDataModule(batch_size=4, seq_len=32, batch_format="hf", max_bytes=20_000, samples_per_epoch=8)
+    losses = _Losses()
+    trainer = Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0,
+                      plugins=[NoSaveBitsandbytesPrecision(mode, _dtype(mode), lora_rank=rank)],
+                      callbacks=[losses, ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=1)])
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return losses.losses, model
+
+
+@pytest.mark.parametrize(("mode", "rank", "peft", "family"), [
+    ("nf4", 4, False, "llama"), ("nf4-dq", 0, True, "llama"), ("fp4", 4, False, "llama"),
+    ("int8", 4, False, "llama"), ("nf4", 4, False, "qwen3_moe"),
+], ids=["nf4-own-adapters", "nf4-dq-peft", "fp4-own-adapters", "int8-own-adapters", "nf4-qwen3-moe"])
+def test_a_resumed_qlora_fit_has_the_losses_of_the_fit_that_never_stopped(tmp_path, mode, rank, peft, family):
+    """Two steps per epoch: the checkpoint after step 2 ends an epoch, so the data of steps 3-4 are the same."""
+    straight, done = _fit(4, mode, rank, peft, tmp_path / "straight", family=family)
+    first, _ = _fit(2, mode, rank, peft, tmp_path / "resumed", family=family)
+    rest, resumed = _fit(4, mode, rank, peft, tmp_path / "resumed", ckpt_path="last", family=family)
+    assert first + rest == straight  # bitwise on CPU
+    trained = {k: v for k, v in done.state_dict().items()}
+    for key, value in resumed.state_dict().items():
+        assert torch.equal(value, trained[key]), key
+
+
+_CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    from pathlib import Path
+    import torch
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning_memkit.demo import ByteTextDataModule, HFCausalLM
+    from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+
+    out, kill_at, resume = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "resume"
+
+    class Record(Callback):
+        def __init__(self):
+            self.losses = []
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+            (out / ("resumed.json" if resume else "losses.json")).write_text(json.dumps(self.losses))
+            if trainer.global_step == kill_at:  # before this step's checkpoint is written
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.manual_seed(0)
+    model = HFCausalLM("llama")
+    data = ByteTextDataModule(batch_size=4, seq_len=32, batch_format="hf", max_bytes=20_000, samples_per_epoch=8)
+    trainer = Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0,
+                      plugins=[NoSaveBitsandbytesPrecision("nf4", "bfloat16", lora_rank=4)],
+                      callbacks=[Record(), ModelCheckpoint(dirpath=out / "ckpt", save_last=True,
+                                                           every_n_train_steps=1)])
+    trainer.fit(model, data, ckpt_path="last" if resume else None)
+""")
+
+
+def test_a_qlora_fit_killed_mid_training_resumes_with_the_uninterrupted_losses(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    killed = subprocess.run([sys.executable, str(script), str(tmp_path), "5", "fit"], env=env, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    seen = json.loads((tmp_path / "losses.json").read_text())
+    assert len(seen) == 5  # steps 1-5 ran; the last checkpoint holds step 4, the end of the second epoch
+    resumed = subprocess.run([sys.executable, str(script), str(tmp_path), "-1", "resume"], env=env,
+                             capture_output=True)
+    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+    straight, _ = _fit(6, "nf4", 4, False, tmp_path / "straight")
+    after = json.loads((tmp_path / "resumed.json").read_text())
+    assert seen[:4] + after == straight
