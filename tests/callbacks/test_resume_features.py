@@ -1,0 +1,57 @@
+"""A fit with the package's features, killed with SIGKILL mid-training and resumed with ``ckpt_path="last"``, has
+the losses of the fit that never stopped, bitwise on CPU; a checkpoint stays loadable when checkpointing or the
+fused loss is added on resume (the same math, to float32 rounding)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import resume_child
+
+CHILD = Path(resume_child.__file__)
+
+
+def _child(out, names, kill_at, mode):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, str(CHILD), str(out), names, str(kill_at), mode], env=env,
+                          capture_output=True, text=True)
+
+
+def _killed_and_resumed(tmp_path, names, kill_at=5):
+    killed = _child(tmp_path, names, kill_at, "fit")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    seen = json.loads((tmp_path / "losses.json").read_text())
+    assert len(seen) == kill_at  # the last checkpoint holds step kill_at - 1, an epoch's end (2 steps per epoch)
+    resumed = _child(tmp_path, names, -1, "resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return seen[: kill_at - 1] + json.loads((tmp_path / "resumed.json").read_text())
+
+
+@pytest.mark.parametrize("names", [
+    "qlora,checkpointing,fused,budget",
+    pytest.param("checkpointing", marks=pytest.mark.slow),
+    pytest.param("fused", marks=pytest.mark.slow),
+    pytest.param("budget", marks=pytest.mark.slow),
+    pytest.param("qlora", marks=pytest.mark.slow),
+])
+def test_a_fit_killed_mid_training_resumes_with_the_uninterrupted_losses(tmp_path, names):
+    stitched = _killed_and_resumed(tmp_path, names)
+    straight = resume_child.fit(tmp_path / "straight", names)
+    assert stitched == straight
+
+
+def test_a_checkpoint_resumes_with_checkpointing_and_the_fused_loss_added(tmp_path):
+    killed = _child(tmp_path, "-", 3, "fit")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = _child(tmp_path, "checkpointing,fused", -1, "resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    seen = json.loads((tmp_path / "losses.json").read_text())[:2]
+    stitched = seen + json.loads((tmp_path / "resumed.json").read_text())
+    straight = resume_child.fit(tmp_path / "straight", "-")
+    assert len(stitched) == len(straight) == resume_child.STEPS
+    assert stitched != straight  # other roundings ...
+    assert max(abs(a - b) for a, b in zip(stitched, straight)) < 1e-5  # ... of the same math
