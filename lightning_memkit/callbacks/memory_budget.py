@@ -20,6 +20,7 @@ YAML (LightningCLI; ``memkit fit --budget 24GiB`` adds it)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -168,6 +169,8 @@ class MemoryBudget(Callback):
         self._watching = False
         self._cpu_watch = True
         self._pipeline = False  # the Trainer runs memkit_pipeline: planned per rank, not re-planned
+        self._batch: Any = None  # the batch planned on
+        self._restored: dict | None = None  # the plan of the checkpoint resumed from, applied at on_train_start
 
     @property
     def replanned(self) -> bool:
@@ -200,6 +203,7 @@ class MemoryBudget(Callback):
                 batch = self._from_loader(trainer.train_dataloader)
             with self._features_off(trainer, pl_module):
                 self._plan(trainer, pl_module, batch, [a for a in self.allow if a in _BETWEEN_STEPS], late=True)
+        self._resume_plan(trainer, pl_module)
         self._cpu_watch = not runs_compiled(pl_module)
         if not self._cpu_watch and trainer.strategy.root_device.type == "cpu":
             rank_zero_warn(f"{_OWNER}: the model runs compiled code, whose CPU buffers LivePeak cannot see; steps are "
@@ -243,6 +247,7 @@ class MemoryBudget(Callback):
 
     def _plan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str],
               late: bool) -> None:
+        self._batch = batch
         run = self._run(trainer, pl_module, batch, allow)
         result = self._search(trainer, run, self.budget_bytes - self._context_bytes)
         if not result.fitting:
@@ -252,6 +257,41 @@ class MemoryBudget(Callback):
         if trainer.is_global_zero:
             _say(f"{_OWNER}: predicted peak {format_bytes(self.plan.peak_bytes)} within the budget "
                  f"{format_bytes(self.budget_bytes)} ({self.margin:.0%} margin)")
+
+    # -- resuming ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The plan the run trains with (re-plans included) and the bytes the estimate missed, for a resume."""
+        if self.plan is None or self._pipeline:
+            return {}
+        return {"plan": dataclasses.asdict(self.plan.plan), "missed_bytes": int(self._missed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict.get("plan")
+        self._missed = max(self._missed, int(state_dict.get("missed_bytes", 0)))
+
+    def _resume_plan(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Resume with the plan of the checkpoint where a re-plan made it stronger than the one planned at setup,
+        instead of running into the same steps' memory again."""
+        from lightning_memkit.estimate.plans import Plan, PlanResult
+
+        restored, self._restored = self._restored, None
+        if restored is None or self.plan is None or self._batch is None:
+            return
+        plan = Plan(**restored)
+        if plan == self.plan.plan:
+            return
+        if not self.plan.plan.at_most(plan):
+            rank_zero_warn(f"{_OWNER}: the checkpoint was trained with a weaker plan ({plan}) than the one planned "
+                           "now; the plan planned now is kept")
+            return
+        allow = [a for a in self.allow if a in _BETWEEN_STEPS]
+        before = len(self.changes)
+        with self._features_off(trainer, pl_module), unmeasured():
+            run = self._run(trainer, pl_module, self._batch, allow)
+            peak = run.estimate(plan).peak_bytes
+            self.plan = PlanResult(plan, peak, 0.0, peak <= self.budget_bytes, run)
+            self._apply(trainer, pl_module, run, late=True)
+        _say(f"{_OWNER}: resumed with the checkpoint's plan: {'; '.join(self.changes[before:])}")
 
     def _plan_pipeline(self, trainer: Trainer) -> None:
         """Per rank under memkit_pipeline: its microbatches and fused loss such that the busiest rank's predicted

@@ -121,3 +121,36 @@ def test_a_third_error_past_the_retry_limit_stops_with_one_line() -> None:
 def test_no_retry_when_asked_for_none() -> None:
     with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
         _fit_tiny(MemoryBudget("1GiB", max_retries=0), InjectOOM("backward", at_step=1))
+
+
+def _fit_tiny_resumable(dirpath, max_steps, *callbacks, ckpt_path=None) -> tuple[StepLosses, pl.Trainer]:
+    """Two optimizer steps per epoch (4 batches, 2 accumulated), a checkpoint after every step."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0, verbose=False)
+    losses = StepLosses()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, max_steps=max_steps, accumulate_grad_batches=2,
+                             callbacks=[losses, *callbacks,
+                                        ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=1)])
+        trainer.fit(TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=32),
+                    ByteTextDataModule(batch_size=8, seq_len=32, max_bytes=50_000, samples_per_epoch=32),
+                    ckpt_path=ckpt_path)
+    return losses, trainer
+
+
+def test_a_resumed_run_keeps_the_plan_it_was_re_planned_to(tmp_path) -> None:
+    """A re-plan at step 3 (an out-of-memory error) is in the checkpoint of step 4: the resumed run trains with it
+    from its first step, with the losses of the run that never stopped, and does not re-plan."""
+    straight = MemoryBudget("1GiB")
+    reference, _ = _fit_tiny_resumable(tmp_path / "straight", 6, straight, InjectOOM("forward", at_step=3, micro=2))
+    first = MemoryBudget("1GiB")
+    before, _ = _fit_tiny_resumable(tmp_path / "run", 4, first, InjectOOM("forward", at_step=3, micro=2))
+    assert first.replanned and first.plan.plan == straight.plan.plan
+    resumed = MemoryBudget("1GiB")
+    after, _ = _fit_tiny_resumable(tmp_path / "run", 6, resumed, ckpt_path="last")
+    assert resumed.plan.plan == first.plan.plan and not resumed.replanned
+    assert resumed.changes == [first.replans[0].change]
+    assert before.steps + after.steps == pytest.approx(reference.steps, abs=1e-6)
