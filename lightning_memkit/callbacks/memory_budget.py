@@ -570,9 +570,9 @@ def check_budget(budget: Any) -> int | float:
 
         try:
             return parse_bytes(budget)
-        except ValueError as err:
+        except ValueError:
             raise ValueError(f"{_OWNER}(budget={budget!r}): not a positive size; write e.g. 24GiB, 80GB, 512MiB, "
-                             "bytes, or a fraction such as 0.9") from err
+                             "bytes, or a fraction such as 0.9") from None
     raise TypeError(f"{_OWNER}(budget=...) must be bytes, a size such as '24GiB' or a fraction, got "
                     f"{type(budget).__name__}")
 

@@ -127,7 +127,10 @@ def _check_budget(args: argparse.Namespace) -> None:
     if args.pipeline is not None:
         raise ConfigError("--budget and --pipeline: the budget search tries pipeline stages itself; leave out "
                           "--pipeline")
-    args.budget = parse_bytes(args.budget)
+    try:
+        args.budget = parse_bytes(args.budget)
+    except ConfigError as err:
+        raise ConfigError(f"--budget: {err}") from None
     args.margin = checked(check_number, 0.05 if args.margin is None else args.margin, "--margin", minimum=0,
                           maximum=1, max_inclusive=False)
     args.max_plans = checked(check_int, 3 if args.max_plans is None else args.max_plans, "--max-plans", minimum=1)

@@ -74,7 +74,7 @@ def _chain(err: BaseException) -> list[BaseException]:
     out: list[BaseException] = []
     while err is not None and all(err is not e for e in out):
         out.append(err)
-        err = err.__cause__ or err.__context__
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
     return out
 
 
@@ -134,11 +134,36 @@ def describe_config_error(err: BaseException, config: Any = None) -> str:
     elif class_path and isinstance(chain[-1], (ImportError, AttributeError)):
         root = f"class_path {class_path!r} cannot be imported: {root}"
     key = ".".join(keys)
+    if root == type(chain[-1]).__name__ and config is not None:  # the message was lost in a union's bookkeeping
+        found = failing_entry(config)
+        if found is not None:
+            return found
     owner = _OWNER.match(root)
     if not key and owner and config is not None:
         found = _owner_key(config, owner.group(1))
         key = f"{found}.init_args.{owner.group(2)}" if found else ""
     return f"{key}: {root}" if key else root
+
+
+def failing_entry(config: Any) -> str | None:
+    """``"key: message"`` of the first of the trainer's plugins and callbacks in ``config`` (nested dicts, as parsed)
+    whose constructor raises, constructed again to recover the message that a union type's validation dropped
+    (they are cheap to construct, unlike the model and the data); ``None`` when all construct."""
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    for section in ("plugins", "callbacks"):
+        entries = trainer.get(section) if isinstance(trainer, dict) else None
+        for i, entry in enumerate([entries] if isinstance(entries, dict) else entries or []):
+            if not isinstance(entry, dict) or not isinstance(entry.get("class_path"), str):
+                continue
+            module, _, name = entry["class_path"].rpartition(".")
+            try:
+                getattr(importlib.import_module(module), name)(**(entry.get("init_args") or {}))
+            except Exception as err:  # noqa: BLE001 - the error being described
+                message = _root_message(err)
+                owner = _OWNER.match(message)
+                key = f"trainer.{section}[{i}]" + (f".init_args.{owner.group(2)}" if owner else "")
+                return f"{key}: {message}"
+    return None
 
 
 def check_config_syntax(args: Any) -> None:

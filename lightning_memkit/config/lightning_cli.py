@@ -219,6 +219,12 @@ class MemkitCLI(LightningCLI):
             help="torch.set_num_threads for this run (default: leave PyTorch's choice). 1 is fastest on a CPU "
             "whose cores are busy with other work.",
         )
+        parser.add_argument(
+            "--budget", type=str | None, default=None,
+            help="memkit fit only: fit the run into this much device memory, adding a MemoryBudget callback "
+            "(24GiB, 80GB, bytes, or a fraction of the device's memory such as 0.9); refused when the config has a "
+            "MemoryBudget already.",
+        )
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
@@ -236,6 +242,10 @@ class MemkitCLI(LightningCLI):
             return None
 
     def before_instantiate_classes(self) -> None:
+        if self._get(self.config, "budget") is not None:  # `memkit fit --budget` became a callback before parsing
+            raise ConfigError("budget: only `memkit fit --budget SIZE` takes a budget (it adds a MemoryBudget to the "
+                              "callbacks); in a config, list lightning_memkit.callbacks.MemoryBudget under "
+                              "trainer.callbacks", hint=False)
         threads = self._get(self.config, "torch_num_threads")
         if threads is None:
             return
@@ -254,6 +264,7 @@ class MemkitCLI(LightningCLI):
             raise ConfigError(describe_config_error(err, self._config_dict())) from err
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        _one_budget(self._config_dict())
         try:
             return super().instantiate_trainer(**kwargs)
         except CONSTRUCTION_ERRORS as err:
@@ -303,6 +314,18 @@ def describe_predictions(predictions: Any) -> str:
     samples = sum(b.shape[0] if b.dim() else 1 for b in batches)
     return (f"predict: {len(batches)} batches, {samples} samples; first batch: {first.dtype} tensor of shape "
             f"{tuple(first.shape)}")
+
+
+def _one_budget(config: Any) -> None:
+    """Refuse a second ``MemoryBudget`` (``--budget`` on a config that lists one): two budgets would both plan."""
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
+    budgets = [(i, (c.get("init_args") or {}).get("budget")) for i, c in enumerate(callbacks or [])
+               if isinstance(c, dict) and str(c.get("class_path", "")).rpartition(".")[2] == "MemoryBudget"]
+    if len(budgets) > 1:
+        where = ", ".join(f"{budget!r} at trainer.callbacks[{i}]" for i, budget in budgets)
+        raise ConfigError(f"trainer.callbacks: {len(budgets)} MemoryBudget callbacks ({where}; `--budget` adds one "
+                          "to the config's): give one budget", hint=False)
 
 
 def parse_config(config: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def parse_bytes(text: str | int) -> int:
         digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
         value, unit = (float(digits) if digits else math.nan), s[len(digits):]
     if unit not in _UNITS or not value > 0 or math.isinf(value):
-        raise ConfigError(f"--budget: {text!r} is not a positive size; write e.g. 24GiB, 80GB, 512MiB or bytes")
+        raise ConfigError(f"{text!r} is not a positive size; write e.g. 24GiB, 80GB, 512MiB or bytes")
     return int(value * _UNITS[unit])
 
 

@@ -202,11 +202,11 @@ def _parse_dtype(dtype: Any) -> torch.dtype | None:
         if isinstance(value, torch.dtype):
             return value
         raise ValueError(
-            f"NoSaveBitsandbytesPrecision: dtype={dtype!r} is not a torch dtype name; allowed: 'bfloat16', "
+            f"NoSaveBitsandbytesPrecision(dtype={dtype!r}): not a torch dtype name; allowed: 'bfloat16', "
             "'float16', 'float32' (optionally prefixed with 'torch.') or a torch.dtype"
         )
     raise TypeError(
-        f"NoSaveBitsandbytesPrecision: dtype must be None, a str or a torch.dtype, got {type(dtype).__name__}"
+        f"NoSaveBitsandbytesPrecision(dtype=...): must be None, a str or a torch.dtype, got {type(dtype).__name__}"
     )
 
 

@@ -48,8 +48,10 @@ def test_parse_bytes(text: str | int, expected: int) -> None:
 
 @pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "0", "3 parsecs", "inf", True])
 def test_parse_bytes_refuses(text: object) -> None:
-    with pytest.raises(ConfigError, match="--budget"):
+    """A bare size error: the callers name where the value came from (``--budget``, ``MemoryBudget(budget=...)``)."""
+    with pytest.raises(ConfigError, match=r" is not a positive size; write e.g. 24GiB") as err:
         parse_bytes(text)
+    assert "--budget" not in str(err.value)
 
 
 def test_plan_order_and_words() -> None:
