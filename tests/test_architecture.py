@@ -17,8 +17,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_memkit"
 CORE = ("ops", "measure", "release", "recompute", "loading", "pipeline", "memory", "common")
-FOLDERS = ("callbacks", "cli", "common", "config", "demo", "estimate", "hf", "loading", "measure", "memory", "ops",
-           "pipeline", "plugins", "recompute", "release", "strategies")
+FOLDERS = ("callbacks", "cli", "common", "config", "demo", "estimate", "finetune", "hf", "loading", "measure", "memory",
+           "ops", "pipeline", "plugins", "recompute", "release", "strategies")
 
 
 def module_name(path: Path) -> str:

@@ -84,6 +84,8 @@ def main(args: ArgsType = None) -> None:
     is given (removed before parsing) or ``MEMKIT_DEBUG=1`` is set: then it propagates with its traceback.
     """
     from_sys = args is None
+    if from_sys:
+        import_from_working_directory()
     argv = [str(a) for a in (sys.argv[1:] if from_sys else args)]
     debug = _debug_requested(argv)
     if "--debug" in argv:
@@ -109,6 +111,15 @@ def main(args: ArgsType = None) -> None:
             print(f"  see `{command} --help` for the accepted options; add --debug for the full traceback",
                   file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def import_from_working_directory() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does, so that a config's ``class_path``
+    can name a module beside it (``mylm.MyLM`` for ``./mylm.py``); a console script's path starts with its own
+    folder instead. Nothing is imported here."""
+    cwd = os.getcwd()
+    if not sys.path or sys.path[0] not in ("", cwd):
+        sys.path.insert(0, cwd)
 
 
 def _exit_without_teardown() -> None:

@@ -133,6 +133,8 @@ def describe_config_error(err: BaseException, config: Any = None) -> str:
         root += f" by {class_path}" + (f"; accepted: {', '.join(accepted)}" if accepted else "")
     elif class_path and isinstance(chain[-1], (ImportError, AttributeError)):
         root = f"class_path {class_path!r} cannot be imported: {root}"
+        if isinstance(chain[-1], ModuleNotFoundError):
+            root += f" (modules are found on the Python path, which starts with the working directory {os.getcwd()})"
     key = ".".join(keys)
     if root == type(chain[-1]).__name__ and config is not None:  # the message was lost in a union's bookkeeping
         found = failing_entry(config)

@@ -290,3 +290,22 @@ def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_line(tmp_path, caps
     assert err == f"memkit {subcommand}: error: --config {path}: invalid YAML at {error}\n"
 
 
+
+
+def test_the_console_script_imports_a_model_beside_the_working_directory(tmp_path):
+    """``memkit fit`` finds ``mylm.MyLM`` in ``./mylm.py`` as ``python -m`` would; a missing module names the path."""
+    import subprocess
+
+    script = Path(sys.executable).parent / "memkit"
+    if not script.exists():
+        pytest.skip("the memkit console script is not installed beside this interpreter")
+    (tmp_path / "mylm.py").write_text("from lightning_memkit.demo import TinyLM\n\n\nclass MyLM(TinyLM):\n"
+                                      "    marker = 'mine'\n")
+    args = [str(script), *demo_args(tmp_path), "--model", "mylm.MyLM", "--trainer.max_steps", "1",
+            "--trainer.limit_val_batches", "0"]
+    ran = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "MyLM" in ran.stdout + ran.stderr
+    missing = subprocess.run([*args[:-6], "--model", "nolm.NoLM"], cwd=tmp_path, capture_output=True, text=True)
+    assert missing.returncode == 2
+    assert "No module named 'nolm'" in missing.stderr and f"working directory {tmp_path}" in missing.stderr

@@ -1,0 +1,178 @@
+"""Adapters that travel: write a model's LoRA adapters in peft's format, with what rebuilds the base as trained.
+
+``export_adapters(module, directory)`` writes ``adapter_config.json`` and ``adapter_model.safetensors`` (what
+``PeftModel.from_pretrained`` reads) for peft's adapters or for ``NoSaveBitsandbytesPrecision``'s own
+(``lora_rank > 0``: each layer's ``A``/``B`` become peft's ``lora_A``/``lora_B``, the same scaling), and
+``memkit_base.json``: the base's name or path, the dtype it was loaded in, and the ``BitsAndBytesConfig``
+arguments of its quantization (type, double quantization, compute dtype; block size 64, transformers' own).
+Loading the base that way and the adapters with peft gives the trained model (``docs/finetune.md``).
+:class:`ExportAdapters` does it at the end of ``fit``.
+
+Example::
+
+    >>> import json, tempfile
+    >>> from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
+    >>> from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+    >>> model = NoSaveBitsandbytesPrecision("nf4", "float32", lora_rank=4).convert_module(tiny_hf_causal_lm("llama"))
+    >>> out = export_adapters(model, tempfile.mkdtemp(), base="my/llama", base_dtype="float32")
+    >>> json.loads((out / "memkit_base.json").read_text())["bitsandbytes_config"]["bnb_4bit_quant_type"]
+    'nf4'
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_memkit.hf.qlora import hf_models
+from lightning_memkit.ops.lora import ExpertLoRAAdapter, LoRAAdapter
+
+__all__ = ["BASE_FILE", "ExportAdapters", "export_adapters"]
+
+BASE_FILE = "memkit_base.json"
+_OWNER = "export_adapters"
+
+
+def export_adapters(module: nn.Module, directory: str | Path, *, base: str | None = None,
+                    base_dtype: str | torch.dtype | None = None) -> Path:
+    """Write the adapters of the transformers model inside ``module`` to ``directory`` (see the module).
+
+    Args:
+        module: a LightningModule (or any module) holding one transformers causal LM, peft-wrapped or converted by
+            ``NoSaveBitsandbytesPrecision`` with ``lora_rank > 0``.
+        directory: created if missing.
+        base: the base's name or path (default: the model config's ``_name_or_path``).
+        base_dtype: the dtype the base was loaded in (default: ``module.hparams["dtype"]``, as
+            :class:`~lightning_memkit.finetune.PretrainedCausalLM` records it, else the dtype of the model's input
+            embedding).
+
+    Returns the directory. Raises ``ValueError`` when the model has no adapters, or adapters peft cannot hold
+    (the experts' adapters of a quantized MoE model).
+    """
+    model = _the_model(module)
+    quantization = _quantization(model)
+    peft_model = _peft_model(module)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    if peft_model is not None:
+        base = base or peft_model.peft_config["default"].base_model_name_or_path
+        peft_model.save_pretrained(str(out))
+    else:
+        base = base or getattr(model.config, "_name_or_path", None)
+        _save_own(model, out, base)
+    dtype = _base_dtype(module, model, base_dtype)
+    (out / BASE_FILE).write_text(json.dumps({
+        "base_model_name_or_path": base, "dtype": dtype, "bitsandbytes_config": quantization,
+    }, indent=2) + "\n")
+    return out
+
+
+def _the_model(module: nn.Module) -> nn.Module:
+    models = hf_models(module)
+    if len(models) != 1:
+        raise ValueError(f"{_OWNER}: {type(module).__name__} holds {len(models)} transformers models; one is needed")
+    return models[0][1]
+
+
+def _peft_model(module: nn.Module) -> Any:
+    """The peft model inside ``module``, or None."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return None
+    return next((m for m in module.modules() if isinstance(m, PeftModel)), None)
+
+
+def _save_own(model: nn.Module, out: Path, base: str | None) -> None:
+    """``NoSaveBitsandbytesPrecision``'s adapters as a peft LoRA adapter (the same names, shapes and scaling)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    if any(isinstance(m, ExpertLoRAAdapter) for m in model.modules()):
+        raise ValueError(f"{_OWNER}: the experts' adapters of a quantized MoE model have no peft format; only "
+                         "Linear layers' adapters can be exported")
+    layers = {name: m.lora for name, m in model.named_modules() if isinstance(getattr(m, "lora", None), LoRAAdapter)}
+    if not layers:
+        raise ValueError(f"{_OWNER}: the model has no adapters (train with NoSaveBitsandbytesPrecision(lora_rank=...) "
+                         "or a peft LoraConfig)")
+    shapes = {(a.rank, a.alpha, _dropout(a)) for a in layers.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"{_OWNER}: the adapters differ in rank, alpha or dropout ({sorted(shapes)}); peft's "
+                         "LoraConfig holds one of each")
+    rank, alpha, dropout = shapes.pop()
+    LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted(layers), task_type="CAUSAL_LM",
+               base_model_name_or_path=base).save_pretrained(str(out))
+    tensors = {}
+    for name, adapter in layers.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = adapter.A.detach().cpu().contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = adapter.B.detach().cpu().contiguous()
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+
+
+def _dropout(adapter: LoRAAdapter) -> float:
+    return float(getattr(adapter.dropout, "p", 0.0))
+
+
+def _quantization(model: nn.Module) -> dict[str, Any] | None:
+    """``BitsAndBytesConfig`` arguments for the model's quantized Linear layers, or None when none is."""
+    from lightning_memkit.plugins.nosave_linear import NoSaveLinearMixin
+
+    layer = next((m for m in model.modules() if isinstance(m, NoSaveLinearMixin) and m.is_quantized), None)
+    if layer is None:
+        return None
+    weight = layer.weight
+    if weight.dtype == torch.int8:
+        return {"load_in_8bit": True}
+    if getattr(weight, "blocksize", 64) != 64:
+        raise ValueError(f"{_OWNER}: the base was quantized in blocks of {weight.blocksize}; transformers' "
+                         "BitsAndBytesConfig quantizes in blocks of 64")
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": weight.quant_type,
+            "bnb_4bit_use_double_quant": bool(weight.compress_statistics),
+            "bnb_4bit_compute_dtype": str(layer.compute_dtype).removeprefix("torch.")}
+
+
+def _base_dtype(module: nn.Module, model: nn.Module, given: str | torch.dtype | None) -> str:
+    """The dtype to load the base in: ``given``, else the one the module loaded it in (``hparams["dtype"]``, as
+    :class:`~lightning_memkit.finetune.PretrainedCausalLM` records it), else that of the model's input embedding."""
+    if given is None:
+        hparams = getattr(module, "hparams", None)
+        given = hparams.get("dtype") if hasattr(hparams, "get") else None
+    if given is None:
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        given = embedding.weight.dtype if embedding is not None else next(
+            (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return str(given).removeprefix("torch.")
+
+
+class ExportAdapters(Callback):
+    """Export the adapters (:func:`export_adapters`) at the end of ``fit``, on global rank 0.
+
+    Args:
+        dirpath: where to write them (default: ``<trainer.default_root_dir>/adapters``).
+
+    Example (LightningCLI YAML)::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_memkit.finetune.ExportAdapters
+              init_args: {dirpath: runs/my_qlora/adapters}
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        if dirpath is not None and (not isinstance(dirpath, str) or not dirpath):
+            raise ValueError(f"ExportAdapters(dirpath={dirpath!r}): give a directory path or None")
+        self.dirpath = dirpath
+        self.written: Path | None = None
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        directory = self.dirpath or str(Path(trainer.default_root_dir) / "adapters")
+        self.written = export_adapters(pl_module, directory)
+        print(f"ExportAdapters: adapters written to {self.written} (load: see {self.written / BASE_FILE})")

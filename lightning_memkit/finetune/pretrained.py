@@ -1,0 +1,101 @@
+"""A transformers causal LM loaded with ``from_pretrained`` (a local directory or a hub name), trained the HF way.
+
+``training_step`` is ``self.model(**batch).loss``, so every feature of the package (the QLoRA plugin, the fused
+loss, checkpointing, ``MemoryBudget``) applies to it unchanged; an optional peft ``LoraConfig`` wraps the model.
+
+Example (LightningCLI YAML)::
+
+    model:
+      class_path: lightning_memkit.finetune.PretrainedCausalLM
+      init_args: {model: /path/to/llama, dtype: bfloat16,
+                  peft_lora: {r: 16, lora_alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_memkit.common.validation import check_choice, check_number
+
+__all__ = ["DTYPES", "PretrainedCausalLM"]
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class PretrainedCausalLM(pl.LightningModule):
+    """``AutoModelForCausalLM.from_pretrained(model, dtype=..., attn_implementation=...)`` as a LightningModule.
+
+    Args:
+        model: a local directory written by ``save_pretrained`` or a hub name (read from the local cache; nothing
+            is downloaded where the machine is offline).
+        dtype: the dtype the weights are loaded in (``bfloat16``, ``float16`` or ``float32``); the adapters'
+            export records it, since the base must be loaded the same way to reproduce the trained model.
+        attn_implementation: transformers' attention (``sdpa``, ``eager``, ...; ``None``: its default).
+        peft_lora: keyword arguments of ``peft.LoraConfig`` (``task_type`` defaults to ``CAUSAL_LM``);
+            ``None``: no peft (full fine-tune, or the QLoRA plugin's own adapters).
+        lr, weight_decay: AdamW over the trainable parameters.
+
+    Example::
+
+        >>> import tempfile
+        >>> from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
+        >>> path = tempfile.mkdtemp()
+        >>> tiny_hf_causal_lm("llama", seed=0).save_pretrained(path)
+        >>> lm = PretrainedCausalLM(path, dtype="float32", peft_lora={"r": 4, "target_modules": ["q_proj"]})
+        >>> batch = {"input_ids": torch.randint(0, 256, (2, 8))}
+        >>> bool(lm.training_step({**batch, "labels": batch["input_ids"]}, 0) > 0)
+        True
+    """
+
+    def __init__(self, model: str, dtype: str = "bfloat16", attn_implementation: str | None = "sdpa",
+                 peft_lora: dict[str, Any] | None = None, lr: float = 2e-4, weight_decay: float = 0.0):
+        super().__init__()
+        owner = "PretrainedCausalLM"
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"{owner}(model={model!r}): give a directory written by save_pretrained or a hub name")
+        check_choice(dtype, "dtype", DTYPES, owner=owner)
+        check_number(lr, "lr", minimum=0, min_inclusive=False, owner=owner)
+        check_number(weight_decay, "weight_decay", minimum=0, owner=owner)
+        lora = _lora_config(peft_lora, owner)
+        self.save_hyperparameters()
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), **kwargs)
+        except OSError as err:
+            raise ValueError(f"{owner}(model={model!r}): cannot load it: {err}") from None
+        if lora is not None:
+            from peft import get_peft_model
+
+            self.model = get_peft_model(self.model, lora)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+def _lora_config(peft_lora: Any, owner: str) -> Any:
+    if peft_lora is None:
+        return None
+    if not isinstance(peft_lora, dict):
+        raise TypeError(f"{owner}(peft_lora=...) must be a dict of peft.LoraConfig arguments, got {peft_lora!r}")
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig(**{"task_type": "CAUSAL_LM", **peft_lora})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{owner}(peft_lora={peft_lora!r}): {err}") from None
