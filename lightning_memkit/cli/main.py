@@ -48,6 +48,7 @@ SUBCOMMANDS = {
     "predict": "run inference and print the kind and shape of what was predicted",
     "compare": "train a config without and with its memkit memory features: peak bytes per phase",
     "estimate": "predict the device memory of a training step, nothing allocated",
+    "export": "write a checkpoint's adapters in peft's format, with how to load their base",
 }
 
 
@@ -176,6 +177,10 @@ def _run_subcommand(argv: list[str], from_sys: bool) -> None:
         from lightning_memkit.cli.estimate import main as estimate_main
 
         estimate_main(argv[1:])
+    elif argv[0] == "export":
+        from lightning_memkit.cli.export import main as export_main
+
+        export_main(argv[1:])
     else:
         from lightning_memkit.config.lightning_cli import MemkitCLI
 

@@ -259,8 +259,8 @@ def test_memkit_alone_and_help_list_every_subcommand(capsys):
         captured = capsys.readouterr()
         text = captured.err if code else captured.out
         listed = re.findall(r"^  (\w+)  +\S", text, re.M)
-        assert listed == ["fit", "validate", "test", "predict", "compare", "estimate"], text
-    for subcommand, option in (("fit", "--trainer.max_steps"), ("compare", "--steps")):  # as before
+        assert listed == ["fit", "validate", "test", "predict", "compare", "estimate", "export"], text
+    for subcommand, option in (("fit", "--trainer.max_steps"), ("compare", "--steps"), ("export", "--ckpt_path")):
         assert exit_code([subcommand, "--help"]) == 0
         assert option in capsys.readouterr().out
 
@@ -268,7 +268,7 @@ def test_memkit_alone_and_help_list_every_subcommand(capsys):
 def test_an_unknown_subcommand_is_one_line_listing_them(capsys):
     assert exit_code(["fitt", "--config", str(CONFIG)]) == 2
     assert capsys.readouterr().err == ("memkit: error: unknown subcommand 'fitt'; choose from fit, validate, test, "
-                                       "predict, compare, estimate (memkit --help)\n")
+                                       "predict, compare, estimate, export (memkit --help)\n")
 
 
 UNCLOSED = "trainer:\n  max_steps: 2\n  callbacks: [a, b\nmodel:\n  class_path: x\n"
