@@ -82,7 +82,7 @@ STEPS: tuple[Step, ...] = (
                              "tests/common"],
             45, True),
     _pytest("tests-docs", ["tests/test_docs.py", "tests/test_demo_doc.py", "tests/test_bench_docs.py"], 25, True),
-    _pytest("tests-models", ["tests/hf", "tests/plugins", "tests/estimate"], 50, False),
+    _pytest("tests-models", ["tests/hf", "tests/plugins", "tests/estimate", "tests/finetune"], 50, False),
     _pytest("tests-pipeline", ["tests/pipeline", "tests/strategies", "tests/reliability", "tests/cli",
                                "tests/test_architecture.py", "tests/test_gpu_check.py", "tests/test_import.py",
                                "tests/test_zygote.py"], 45,

@@ -1,0 +1,102 @@
+"""TextDataModule: your text files through ``datasets``, tokenized with a tokenizer trained here, packed or padded,
+the longest batch declared, and a run resumed mid-epoch with the losses of the run that never stopped."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+pytest.importorskip("datasets")
+
+from lightning_memkit.demo.hf_models import tiny_hf_causal_lm  # noqa: E402
+from lightning_memkit.finetune import PretrainedCausalLM  # noqa: E402
+from lightning_memkit.finetune.text_data import TextDataModule, train_tokenizer  # noqa: E402
+
+DOCS = [f"note {i}: the quick brown fox {'jumps over ' * (i % 5)}the lazy dog number {i * 7}" for i in range(120)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    import datasets
+
+    root = tmp_path_factory.mktemp("text")
+    train_tokenizer(DOCS, root / "tokenizer")
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    (root / "docs.txt").write_text("\n".join(DOCS) + "\n")
+    table = datasets.Dataset.from_dict({"text": DOCS})
+    table.to_parquet(str(root / "docs.parquet"))
+    table.save_to_disk(str(root / "saved"))
+    return root
+
+
+def _module(files, name, **kwargs):
+    args = {"max_length": 32, "batch_size": 4, "val_fraction": 0.1, **kwargs}
+    data = TextDataModule(str(files / name), tokenizer=str(files / "tokenizer"), **args)
+    data.setup("fit")
+    return data
+
+
+def test_every_format_gives_the_same_rows(files):
+    rows = {name: [r.tolist() for r in _module(files, name).train_set["input_ids"]]
+            for name in ("docs.jsonl", "docs.txt", "docs.parquet", "saved")}
+    assert len(rows["docs.jsonl"]) > 10 and all(r == rows["docs.jsonl"] for r in rows.values())
+
+
+def test_packed_rows_are_full_blocks_and_padded_rows_mask_their_padding(files):
+    packed = _module(files, "docs.jsonl")
+    batch = next(iter(packed.train_dataloader()))
+    assert batch["input_ids"].shape == (4, 32) and torch.equal(batch["labels"], batch["input_ids"])
+    padded = _module(files, "docs.jsonl", packing=False, max_length=64)
+    batch = next(iter(padded.train_dataloader()))
+    pad = batch["attention_mask"] == 0
+    assert batch["input_ids"].shape[1] <= 64 and pad.any()
+    assert torch.all(batch["labels"][pad] == -100) and torch.equal(batch["labels"][~pad], batch["input_ids"][~pad])
+    assert padded.longest_batch()["input_ids"].shape == (4, 64)
+
+
+def test_bad_input_names_the_argument(files, tmp_path):
+    with pytest.raises(ValueError, match=r"text_field='body'\): the data has the columns \['text', 'id'\]"):
+        _module(files, "docs.jsonl", text_field="body")
+    (tmp_path / "x.csv").write_text("a\n")
+    with pytest.raises(ValueError, match=r"path='.*x.csv'\): give a .jsonl, .json, .parquet, .txt file"):
+        TextDataModule(str(tmp_path / "x.csv"), tokenizer=str(files / "tokenizer"))
+    with pytest.raises(ValueError, match="max_length"):
+        TextDataModule(str(files / "docs.jsonl"), tokenizer=str(files / "tokenizer"), max_length=0)
+
+
+class _Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit(files, base, max_steps, dirpath, ckpt_path=None):
+    torch.manual_seed(0)
+    model = PretrainedCausalLM(str(base), dtype="float32", lr=1e-2)
+    data = TextDataModule(str(files / "docs.jsonl"), tokenizer=str(files / "tokenizer"), max_length=32,
+                          batch_size=4, val_fraction=0.0, seed=3)
+    losses = _Losses()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, limit_train_batches=5, num_sanity_val_steps=0,
+                callbacks=[losses, ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=1)]).fit(
+            model, data, ckpt_path=ckpt_path)
+    return losses.losses
+
+
+def test_a_run_resumed_mid_epoch_sees_the_batches_it_would_have_seen(files, tmp_path):
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    vocab = len(AutoTokenizer.from_pretrained(str(files / "tokenizer")))
+    tiny_hf_causal_lm("llama", seed=0, vocab_size=vocab).save_pretrained(base)
+    straight = _fit(files, base, 8, tmp_path / "straight")  # 5 batches per epoch: step 3 is mid-epoch
+    first = _fit(files, base, 3, tmp_path / "run")
+    rest = _fit(files, base, 8, tmp_path / "run", ckpt_path="last")
+    assert first + rest == straight
