@@ -21,13 +21,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_memkit.common.causal_lm import CausalLMSteps, lora_config
 from lightning_memkit.common.validation import check_choice, check_int, check_number
 from lightning_memkit.demo.hf_models import HF_FAMILIES, tiny_hf_causal_lm
 
 __all__ = ["HFCausalLM"]
 
 
-class HFCausalLM(pl.LightningModule):
+class HFCausalLM(CausalLMSteps, pl.LightningModule):
     """A ``transformers`` causal LM (``self.model``) trained with its own shifted-label loss.
 
     Args:
@@ -66,57 +67,19 @@ class HFCausalLM(pl.LightningModule):
         if hidden_size % 8:
             raise ValueError(f"HFCausalLM(hidden_size={hidden_size}) must be a multiple of 8 (4 heads of even size)")
         check_number(lr, "lr", minimum=0, min_inclusive=False, owner=owner)
-        lora_config = _lora_config(peft_lora)
+        lora = lora_config(peft_lora, owner)
         self.save_hyperparameters()
         model = tiny_hf_causal_lm(family, seed=seed, hidden_size=hidden_size, num_layers=num_layers,
                                   vocab_size=vocab_size, num_experts=num_experts, **(config_overrides or {}))
-        if lora_config is not None:
+        if lora is not None:
             from peft import get_peft_model
 
             try:
-                model = get_peft_model(model, lora_config)
+                model = get_peft_model(model, lora)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"HFCausalLM(peft_lora={peft_lora!r}): peft cannot apply it to the {family} "
                                  f"model: {err}") from None
         self.model = model
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("val_loss", loss, prog_bar=True)
-        return loss
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("test_loss", loss)
-        return loss
-
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Greedy next-token predictions: the argmax token after each position, int64 ``(batch, time)``.
-
-        Only ``input_ids`` (and ``attention_mask`` if present) are used; ``labels`` are ignored.
-        """
-        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-        return self.model(**inputs).logits.argmax(dim=-1)
-
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
-
-
-def _lora_config(peft_lora: Any) -> Any:
-    """``peft.LoraConfig(**peft_lora)``, or ``None``; a bad value raises naming ``peft_lora``."""
-    if peft_lora is None:
-        return None
-    if not isinstance(peft_lora, dict) or not all(isinstance(k, str) for k in peft_lora):
-        raise TypeError(f"HFCausalLM(peft_lora=...) must be None or a dict of peft.LoraConfig arguments, e.g. "
-                        f"{{'r': 8, 'target_modules': ['q_proj', 'v_proj']}}; got {peft_lora!r}")
-    from peft import LoraConfig
-
-    try:
-        return LoraConfig(**peft_lora)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"HFCausalLM(peft_lora={peft_lora!r}): not valid peft.LoraConfig arguments: {err}") from None

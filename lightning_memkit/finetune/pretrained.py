@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_memkit.common.causal_lm import CausalLMSteps, lora_config
 from lightning_memkit.common.validation import check_choice, check_number
 
 __all__ = ["DTYPES", "PretrainedCausalLM"]
@@ -25,7 +26,7 @@ __all__ = ["DTYPES", "PretrainedCausalLM"]
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-class PretrainedCausalLM(pl.LightningModule):
+class PretrainedCausalLM(CausalLMSteps, pl.LightningModule):
     """``AutoModelForCausalLM.from_pretrained(model, dtype=..., attn_implementation=...)`` as a LightningModule.
 
     Args:
@@ -59,7 +60,7 @@ class PretrainedCausalLM(pl.LightningModule):
         check_choice(dtype, "dtype", DTYPES, owner=owner)
         check_number(lr, "lr", minimum=0, min_inclusive=False, owner=owner)
         check_number(weight_decay, "weight_decay", minimum=0, owner=owner)
-        lora = _lora_config(peft_lora, owner)
+        lora = lora_config(peft_lora, owner, task_type="CAUSAL_LM")
         self.save_hyperparameters()
         from transformers import AutoModelForCausalLM
 
@@ -73,29 +74,6 @@ class PretrainedCausalLM(pl.LightningModule):
 
             self.model = get_peft_model(self.model, lora)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("val_loss", loss, prog_bar=True)
-        return loss
-
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-
-
-def _lora_config(peft_lora: Any, owner: str) -> Any:
-    if peft_lora is None:
-        return None
-    if not isinstance(peft_lora, dict):
-        raise TypeError(f"{owner}(peft_lora=...) must be a dict of peft.LoraConfig arguments, got {peft_lora!r}")
-    from peft import LoraConfig
-
-    try:
-        return LoraConfig(**{"task_type": "CAUSAL_LM", **peft_lora})
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{owner}(peft_lora={peft_lora!r}): {err}") from None
