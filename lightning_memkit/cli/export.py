@@ -22,7 +22,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-c", "--config", default=None, help="the YAML config the checkpoint was trained with (required)")
     p.add_argument("--ckpt_path", default=None, help="a Lightning checkpoint of that run (required)")
-    p.add_argument("--output", default=None, help="where the adapters go (default: adapters/ beside the checkpoint)")
+    p.add_argument("--output", default=None, help="where the adapters go (default: adapters/ beside the checkpoint, "
+                   "merged/ with --merged)")
+    p.add_argument("--merged", action="store_true", help="write the whole model instead, each quantized weight "
+                   "dequantized with its adapter folded in, in bf16: it serves with transformers alone")
     return p
 
 
@@ -31,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     import torch
 
     from lightning_memkit.config.lightning_cli import instantiate, parse_config
-    from lightning_memkit.finetune import export_adapters
+    from lightning_memkit.finetune import export_adapters, export_merged
     from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
 
     args, overrides = parse_subcommand(_parser(), argv)
@@ -55,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
     except (KeyError, RuntimeError, ValueError) as err:
         raise ConfigError(f"--ckpt_path: {str(ckpt)!r} does not load into the config's model: {err}",
                           hint=False) from None
-    out = export_adapters(model, args.output or ckpt.parent / "adapters")
-    print(f"memkit export: the adapters of {ckpt} written to {out}")
+    if args.merged:
+        out = export_merged(model, args.output or ckpt.parent / "merged")
+        print(f"memkit export: the model of {ckpt}, its adapters merged, written to {out}")
+    else:
+        out = export_adapters(model, args.output or ckpt.parent / "adapters")
+        print(f"memkit export: the adapters of {ckpt} written to {out}")
     return out

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from torch import nn
 from lightning_memkit.hf.qlora import hf_models
 from lightning_memkit.ops.lora import ExpertLoRAAdapter, LoRAAdapter
 
-__all__ = ["BASE_FILE", "ExportAdapters", "export_adapters"]
+__all__ = ["BASE_FILE", "ExportAdapters", "export_adapters", "export_merged"]
 
 BASE_FILE = "memkit_base.json"
 _OWNER = "export_adapters"
@@ -148,6 +149,69 @@ def _base_dtype(module: nn.Module, model: nn.Module, given: str | torch.dtype | 
         given = embedding.weight.dtype if embedding is not None else next(
             (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return str(given).removeprefix("torch.")
+
+
+def export_merged(module: nn.Module, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the trained model as a plain transformers checkpoint in ``dtype``: every quantized weight dequantized and
+    its adapter folded in (``W + scaling * B @ A``, formed in float32, rounded once), every other weight as trained;
+    it loads with ``AutoModelForCausalLM.from_pretrained`` alone (no bitsandbytes, no peft). Its numbers are not the
+    trained model's exactly (the dense weights replace dequantize-then-multiply, one rounding replaces the adapter's
+    own path): ``docs/finetune.md`` gives the measured difference.
+
+    Example::
+
+        >>> import tempfile
+        >>> from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
+        >>> from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+        >>> plugin = NoSaveBitsandbytesPrecision("nf4", "float32", lora_rank=4)
+        >>> out = export_merged(plugin.convert_module(tiny_hf_causal_lm("llama")), tempfile.mkdtemp())
+        >>> sorted(p.name for p in out.iterdir())
+        ['config.json', 'generation_config.json', 'model.safetensors']
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = _the_model(module)
+    if any(isinstance(m, ExpertLoRAAdapter) for m in model.modules()):
+        raise ValueError("export_merged: the experts of a quantized MoE model are not merged yet")
+    config = copy.deepcopy(model.config)
+    config.quantization_config = None
+    dense = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {name: _merged(model, name, tensor).to(dtype) for name, tensor in dense.state_dict().items()}
+    dense.load_state_dict(state)
+    out = Path(directory)
+    dense.save_pretrained(str(out))
+    return out
+
+
+def _merged(model: nn.Module, name: str, like: torch.Tensor) -> torch.Tensor:
+    """The dense value of ``name`` (a parameter or buffer path of the plain model) in the trained ``model``."""
+    from lightning_memkit.ops.nosave_matmul import dequantize_weight
+    from lightning_memkit.plugins.nosave_linear import NoSaveLinearMixin
+
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    base = getattr(owner, "base_layer", owner)  # a peft LoRA layer wraps the Linear it adapts
+    if attr == "weight" and isinstance(base, NoSaveLinearMixin) and base.is_quantized:
+        weight = dequantize_weight(base, torch.float32)
+    else:
+        weight = getattr(base, attr).detach().float()
+    for a, b, scaling in _adapters(owner):
+        weight = weight + scaling * (b.detach().float() @ a.detach().float()) if attr == "weight" else weight
+    if weight.shape != like.shape:
+        raise ValueError(f"export_merged: {name} has shape {tuple(weight.shape)} in the trained model, "
+                         f"{tuple(like.shape)} in its config's")
+    return weight
+
+
+def _adapters(owner: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """``(A, B, scaling)`` of the adapters on ``owner``: the plugin's ``lora``, or peft's active ones."""
+    own = getattr(owner, "lora", None)
+    if isinstance(own, LoRAAdapter):
+        return [(own.A, own.B, own.scaling)]
+    if hasattr(owner, "lora_A") and hasattr(owner, "base_layer"):
+        return [(owner.lora_A[k].weight, owner.lora_B[k].weight, float(owner.scaling[k]))
+                for k in owner.active_adapters if k in owner.lora_A]
+    return []
 
 
 class ExportAdapters(Callback):

@@ -55,6 +55,10 @@ def test_the_export_of_a_checkpoint_is_the_fits_own_export(tmp_path):
     assert ours.keys() == fits.keys() and all(torch.equal(ours[k], fits[k]) for k in ours)
     for name in ("adapter_config.json", "memkit_base.json"):
         assert (out / name).read_text() == (at_end.written / name).read_text()
+    main(["export", "--config", _config(tmp_path, base, 4), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"),
+          "--merged"])
+    merged = load_file(tmp_path / "ckpt" / "merged" / "model.safetensors")
+    assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
 
 
 def test_export_errors_are_one_line(tmp_path, capsys):
