@@ -209,8 +209,11 @@ def _adapters(owner: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]
     if isinstance(own, LoRAAdapter):
         return [(own.A, own.B, own.scaling)]
     if hasattr(owner, "lora_A") and hasattr(owner, "base_layer"):
-        return [(owner.lora_A[k].weight, owner.lora_B[k].weight, float(owner.scaling[k]))
-                for k in owner.active_adapters if k in owner.lora_A]
+        active = [k for k in owner.active_adapters if k in owner.lora_A]
+        if any(getattr(owner, "use_dora", {}).get(k) for k in active):
+            raise ValueError("export_merged: DoRA adapters (use_dora=True) are not merged: their magnitude vector "
+                             "rescales the merged weight; export them with export_adapters")
+        return [(owner.lora_A[k].weight, owner.lora_B[k].weight, float(owner.scaling[k])) for k in active]
     return []
 
 

@@ -139,3 +139,26 @@ def test_the_merged_export_serves_with_transformers_alone(tmp_path, peft):
     assert steps <= (1.0 if peft else 5.0)
     if peft:
         assert torch.equal(theirs["generated"], generated)
+
+
+def test_the_merge_refuses_dora_and_matches_peft_merge_and_unload(tmp_path):
+    """Unquantized, the merge is peft's own ``merge_and_unload`` to float32 rounding; DoRA is refused, not merged
+    as plain LoRA."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_hf_causal_lm("llama", seed=0), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    out = export_merged(model, tmp_path / "merged", dtype=torch.float32)
+    from safetensors.torch import load_file
+
+    ours = load_file(out / "model.safetensors")
+    reference = model.merge_and_unload().state_dict()
+    for key, value in ours.items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-6, atol=1e-6, msg=key)
+    dora = get_peft_model(tiny_hf_causal_lm("llama", seed=0),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="DoRA adapters"):
+        export_merged(dora, tmp_path / "dora")
