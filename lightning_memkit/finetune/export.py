@@ -34,7 +34,7 @@ from torch import nn
 from lightning_memkit.hf.qlora import hf_models
 from lightning_memkit.ops.lora import ExpertLoRAAdapter, LoRAAdapter
 
-__all__ = ["BASE_FILE", "ExportAdapters", "export_adapters", "export_merged"]
+__all__ = ["BASE_FILE", "ExportAdapters", "check_exportable", "export_adapters", "export_merged"]
 
 BASE_FILE = "memkit_base.json"
 _OWNER = "export_adapters"
@@ -90,23 +90,36 @@ def _peft_model(module: nn.Module) -> Any:
     return next((m for m in module.modules() if isinstance(m, PeftModel)), None)
 
 
-def _save_own(model: nn.Module, out: Path, base: str | None) -> None:
-    """``NoSaveBitsandbytesPrecision``'s adapters as a peft LoRA adapter (the same names, shapes and scaling)."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
+def check_exportable(module: nn.Module) -> None:
+    """Raise the error :func:`export_adapters` would raise for ``module``, before anything is written
+    (``ExportAdapters`` checks at the start of fit, not after the training)."""
+    model = _the_model(module)
+    if _peft_model(module) is None:
+        _own_adapters(model)
 
+
+def _own_adapters(model: nn.Module) -> tuple[dict[str, LoRAAdapter], tuple[int, float, float]]:
+    """The plugin's adapters by layer name, and their one ``(rank, alpha, dropout)``."""
     if any(isinstance(m, ExpertLoRAAdapter) for m in model.modules()):
         raise ValueError(f"{_OWNER}: the experts' adapters of a quantized MoE model have no peft format; only "
                          "Linear layers' adapters can be exported")
     layers = {name: m.lora for name, m in model.named_modules() if isinstance(getattr(m, "lora", None), LoRAAdapter)}
     if not layers:
         raise ValueError(f"{_OWNER}: the model has no adapters (train with NoSaveBitsandbytesPrecision(lora_rank=...) "
-                         "or a peft LoraConfig)")
+                         "or a peft LoraConfig; a full fine-tune: memkit export --merged)")
     shapes = {(a.rank, a.alpha, _dropout(a)) for a in layers.values()}
     if len(shapes) != 1:
         raise ValueError(f"{_OWNER}: the adapters differ in rank, alpha or dropout ({sorted(shapes)}); peft's "
                          "LoraConfig holds one of each")
-    rank, alpha, dropout = shapes.pop()
+    return layers, shapes.pop()
+
+
+def _save_own(model: nn.Module, out: Path, base: str | None) -> None:
+    """``NoSaveBitsandbytesPrecision``'s adapters as a peft LoRA adapter (the same names, shapes and scaling)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    layers, (rank, alpha, dropout) = _own_adapters(model)
     LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted(layers), task_type="CAUSAL_LM",
                base_model_name_or_path=base).save_pretrained(str(out))
     tensors = {}
@@ -236,6 +249,9 @@ class ExportAdapters(Callback):
             raise ValueError(f"ExportAdapters(dirpath={dirpath!r}): give a directory path or None")
         self.dirpath = dirpath
         self.written: Path | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_exportable(pl_module)  # the model is converted by now: refuse before training, not after it
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:

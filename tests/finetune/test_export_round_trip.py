@@ -162,3 +162,19 @@ def test_the_merge_refuses_dora_and_matches_peft_merge_and_unload(tmp_path):
                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(ValueError, match="DoRA adapters"):
         export_merged(dora, tmp_path / "dora")
+
+
+def test_export_adapters_refuses_a_model_without_adapters_before_training(tmp_path):
+    from lightning_memkit.demo import HFCausalLM
+
+    steps = []
+
+    class Count(ExportAdapters):
+        def on_train_batch_end(self, *args):
+            steps.append(1)
+
+    with pytest.raises(ValueError, match="the model has no adapters"):
+        Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, limit_val_batches=0, callbacks=[Count(str(tmp_path / "a"))]).fit(
+            HFCausalLM("llama"), ByteTextDataModule(batch_size=4, seq_len=32, batch_format="hf", max_bytes=20_000))
+    assert steps == [] and not (tmp_path / "a").exists()
