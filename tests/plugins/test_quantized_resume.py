@@ -172,3 +172,17 @@ def test_a_qlora_fit_killed_mid_training_resumes_with_the_uninterrupted_losses(t
     straight, _ = _fit(6, "nf4", 4, False, tmp_path / "straight")
     after = json.loads((tmp_path / "resumed.json").read_text())
     assert seen[:4] + after == straight
+
+
+def test_validate_from_a_qlora_checkpoint_loads_it_as_trained(tmp_path):
+    """``trainer.validate(model, ckpt_path=...)`` (and test, predict) converts before restoring too."""
+    from lightning_memkit.demo import ByteTextDataModule, HFCausalLM
+
+    _, trained = _fit(2, "nf4", 4, False, tmp_path / "ckpt")
+    data = ByteTextDataModule(batch_size=4, seq_len=32, batch_format="hf", max_bytes=20_000, samples_per_epoch=8)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=2, plugins=[NoSaveBitsandbytesPrecision("nf4", "bfloat16", lora_rank=4)])
+    fresh = HFCausalLM("llama")
+    trainer.validate(fresh, data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), verbose=False)
+    reference = trained.state_dict()
+    assert all(torch.equal(v, reference[k]) for k, v in fresh.state_dict().items())
