@@ -311,7 +311,6 @@ def torch_rows(
     lse: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
     weights: ClassWeights | None = None,
-    shifted: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Loss and log-sum-exp of a chunk of rows, and optionally their gradient, in place.
 
@@ -324,7 +323,6 @@ def torch_rows(
         keep: ``(r, V)`` float32 scratch, required when ``softcap`` is set and a gradient is wanted.
         weights: per-class weights (:class:`ClassWeights`); the row math is then, with ``w_t`` the target's
             weight and ``W`` their sum: ``(1 - eps) * w_t * (lse - z_t) + eps / V * (W * lse - w . z) + zl * lse**2``.
-        shifted: with ``lse`` given, ``z`` holds ``logits - lse`` already (one pass fewer; no ``softcap`` then).
 
     Returns:
         ``(loss, lse)``: float32 ``(r,)`` each; ``loss`` is ``None`` when ``lse`` was given.
@@ -354,8 +352,7 @@ def torch_rows(
         loss = torch.where(ok, loss, fill)
         inv_s = s.reciprocal_().squeeze(1)  # z holds exp(z - m); p = z / s
     else:
-        if not shifted:
-            z.sub_(lse.unsqueeze(1))
+        z.sub_(lse.unsqueeze(1))
         z.exp_()  # z holds p
         inv_s = None
     if want_grad:

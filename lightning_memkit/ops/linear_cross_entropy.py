@@ -221,34 +221,26 @@ class _Chunker:
                 grad_scale=gs, **self.kargs, **extra,
             )
             return loss, out
-        if self.sub:
-            return self._blocked_rows(z, t, gs, lse)
+        if self.sub:  # half inputs: forward only (no gradient built in forward, backward slices the vocabulary)
+            assert gs is None and lse is None, "the half path's backward is vocab_sliced_grads"
+            return self._blocked_rows(z, t)
         keep = None if self.keep is None or self.cap is not None else self.keep[: b - a]
         return torch_rows(z, t, self.o, grad_scale=gs, lse=lse, keep=keep, weights=self.weights)
 
-    def _blocked_rows(self, z, t, gs, lse):
-        """:func:`torch_rows` on the chunk in the head's dtype, ``sub`` rows at a time through the fp32 block (the
-        gradient rounded back into ``z``); returns the chunk's ``(loss, lse)`` rows."""
+    def _blocked_rows(self, z, t):
+        """Forward's :func:`torch_rows` on the chunk in the head's dtype, ``sub`` rows at a time through the fp32
+        block; returns the chunk's ``(loss, lse)`` rows (backward on this path is
+        :mod:`~lightning_memkit.ops._vocab_backward`'s)."""
         r = z.shape[0]
-        loss = None if lse is not None else torch.empty(r, dtype=torch.float32, device=z.device)
-        lse_out = torch.empty(r, dtype=torch.float32, device=z.device) if lse is None else lse
+        loss = torch.empty(r, dtype=torch.float32, device=z.device)
+        lse = torch.empty(r, dtype=torch.float32, device=z.device)
         # fake tensors (an estimate) hold no values: one block stands for the loop (the same storages, no GEMMs)
         for s in range(0, min(r, self.sub) if is_fake(z) else r, self.sub):
             e = min(s + self.sub, r)
             f = self.buf[: e - s]
-            if loss is None:  # backward: the copy to fp32 and the subtraction of the known lse in one pass
-                torch.sub(z[s:e], lse[s:e].unsqueeze(1), out=f)
-            else:
-                f.copy_(z[s:e])
-            g = None if gs is None else (gs[s:e] if gs.numel() > 1 else gs)
-            loss_s, lse_s = torch_rows(f, t[s:e], self.o, grad_scale=g, lse=None if loss is not None else lse[s:e],
-                                       weights=self.weights, shifted=loss is None)
-            if loss is not None:
-                loss[s:e] = loss_s
-                lse_out[s:e] = lse_s
-            if g is not None:
-                z[s:e].copy_(f)  # the float32 gradient rounded once to the head's dtype
-        return loss, lse_out
+            f.copy_(z[s:e])
+            loss[s:e], lse[s:e] = torch_rows(f, t[s:e], self.o, weights=self.weights)
+        return loss, lse
 
     def gradient(self, z: torch.Tensor) -> torch.Tensor:
         """The chunk's gradient w.r.t. the logits as the head's backward products take it (``z`` holds it in fp32,
