@@ -56,9 +56,7 @@ def export_adapters(module: nn.Module, directory: str | Path, *, base: str | Non
     Returns the directory. Raises ``ValueError`` when the model has no adapters, or adapters peft cannot hold
     (the experts' adapters of a quantized MoE model).
     """
-    model = _the_model(module)
-    quantization = _quantization(model)
-    peft_model = _peft_model(module)
+    model, quantization, peft_model, own = _checked(module)  # every refusal before anything is written
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     if peft_model is not None:
@@ -66,7 +64,7 @@ def export_adapters(module: nn.Module, directory: str | Path, *, base: str | Non
         peft_model.save_pretrained(str(out))
     else:
         base = base or getattr(model.config, "_name_or_path", None)
-        _save_own(model, out, base)
+        _save_own(*own, out, base)
     dtype = _base_dtype(module, model, base_dtype)
     (out / BASE_FILE).write_text(json.dumps({
         "base_model_name_or_path": base, "dtype": dtype, "bitsandbytes_config": quantization,
@@ -93,9 +91,16 @@ def _peft_model(module: nn.Module) -> Any:
 def check_exportable(module: nn.Module) -> None:
     """Raise the error :func:`export_adapters` would raise for ``module``, before anything is written
     (``ExportAdapters`` checks at the start of fit, not after the training)."""
+    _checked(module)
+
+
+def _checked(module: nn.Module) -> tuple[nn.Module, dict[str, Any] | None, Any, Any]:
+    """``(model, BitsAndBytesConfig arguments, peft model or None, the plugin's adapters or None)``, each refusal
+    of :func:`export_adapters` raised here."""
     model = _the_model(module)
-    if _peft_model(module) is None:
-        _own_adapters(model)
+    quantization = _quantization(model)
+    peft_model = _peft_model(module)
+    return model, quantization, peft_model, None if peft_model is not None else _own_adapters(model)
 
 
 def _own_adapters(model: nn.Module) -> tuple[dict[str, LoRAAdapter], tuple[int, float, float]]:
@@ -114,12 +119,13 @@ def _own_adapters(model: nn.Module) -> tuple[dict[str, LoRAAdapter], tuple[int, 
     return layers, shapes.pop()
 
 
-def _save_own(model: nn.Module, out: Path, base: str | None) -> None:
-    """``NoSaveBitsandbytesPrecision``'s adapters as a peft LoRA adapter (the same names, shapes and scaling)."""
+def _save_own(layers: dict[str, LoRAAdapter], shape: tuple[int, float, float], out: Path, base: str | None) -> None:
+    """``NoSaveBitsandbytesPrecision``'s adapters (:func:`_own_adapters`) as a peft LoRA adapter (the same names,
+    shapes and scaling)."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    layers, (rank, alpha, dropout) = _own_adapters(model)
+    rank, alpha, dropout = shape
     LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted(layers), task_type="CAUSAL_LM",
                base_model_name_or_path=base).save_pretrained(str(out))
     tensors = {}
@@ -208,8 +214,9 @@ def _merged(model: nn.Module, name: str, like: torch.Tensor) -> torch.Tensor:
         weight = dequantize_weight(base, torch.float32)
     else:
         weight = getattr(base, attr).detach().float()
-    for a, b, scaling in _adapters(owner):
-        weight = weight + scaling * (b.detach().float() @ a.detach().float()) if attr == "weight" else weight
+    if attr == "weight":
+        for a, b, scaling in _adapters(owner):
+            weight = weight + scaling * (b.detach().float() @ a.detach().float())
     if weight.shape != like.shape:
         raise ValueError(f"export_merged: {name} has shape {tuple(weight.shape)} in the trained model, "
                          f"{tuple(like.shape)} in its config's")

@@ -155,7 +155,7 @@ class TextDataModule(pl.LightningDataModule):
     # -- resuming mid-epoch ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
         """The epoch and the batches of it processed (saved with a checkpoint)."""
-        trainer = self._trainer_or_none()
+        trainer = self.trainer
         if trainer is None:
             return {}
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
@@ -164,12 +164,6 @@ class TextDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         if "epoch" in state_dict:
             self._resume = (int(state_dict["epoch"]), int(state_dict["batches"]))
-
-    def _trainer_or_none(self) -> Any:
-        try:
-            return self.trainer
-        except RuntimeError:
-            return None
 
 
 def _load(path: str) -> Any:

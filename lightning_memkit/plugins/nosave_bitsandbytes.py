@@ -82,13 +82,9 @@ _LAYERS = {
 }
 
 
-def holds_packed_weights(state_dict: dict) -> bool:
-    """Whether ``state_dict`` is a converted model's: bitsandbytes' 4-bit quant state or int8 row scales."""
-    return any(k.endswith((".weight.absmax", ".SCB")) or k in ("weight.absmax", "SCB") for k in state_dict)
-
-
 def packed_modes(state_dict: dict) -> set[str]:
-    """The plugin modes (``nf4``, ``fp4-dq``, ``int8``, ...) of the packed Linear weights in ``state_dict``."""
+    """The plugin modes (``nf4``, ``fp4-dq``, ``int8``, ...) of the packed Linear weights in ``state_dict`` (empty:
+    not a converted model's state dict)."""
     modes = set()
     for key in state_dict:
         head, sep, kind = key.rpartition("weight.quant_state.bitsandbytes__")
@@ -446,9 +442,9 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         """
 
         def convert_first(target, state_dict, *_args) -> None:
-            if target not in self._converted and holds_packed_weights(state_dict):
-                saved = packed_modes(state_dict)
-                if saved and saved != {self.mode}:  # refused before the model changes
+            saved = packed_modes(state_dict) if target not in self._converted else set()
+            if saved:
+                if saved != {self.mode}:  # refused before the model changes
                     raise ValueError(f"NoSaveBitsandbytesPrecision(mode={self.mode!r}) cannot load a state dict "
                                      f"quantized as {', '.join(sorted(saved))}: resume with the mode it was "
                                      "trained with")

@@ -106,6 +106,7 @@ def test_a_model_without_adapters_is_refused(tmp_path):
     module = PretrainedCausalLM(str(base), dtype="float32")
     with pytest.raises(ValueError, match="the model has no adapters"):
         export_adapters(module, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 MERGED = """
