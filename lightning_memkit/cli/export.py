@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_memkit.cli.arguments import parse_subcommand
-from lightning_memkit.config.errors import ConfigError
+from lightning_memkit.config.errors import ConfigError, trainer_entries
 
 __all__ = ["main"]
 
@@ -46,9 +46,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
         raise ConfigError(f"--ckpt_path: {str(ckpt)!r} is not a file", hint=False)
     config = parse_config(Path(args.config), overrides)
     model = instantiate(config["model"])
-    plugins = config.get("trainer", {}).get("plugins") or []
-    plugins = [instantiate(p) for p in ([plugins] if isinstance(plugins, dict) else plugins) if isinstance(p, dict)]
-    for plugin in plugins:
+    for _, entry in trainer_entries(config, "plugins"):
+        plugin = instantiate(entry)
         if isinstance(plugin, NoSaveBitsandbytesPrecision):
             plugin.convert_on_load(model)
     # a Lightning checkpoint holds more than tensors (hyperparameters, loop state): the user's own file

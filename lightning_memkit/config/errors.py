@@ -147,16 +147,21 @@ def describe_config_error(err: BaseException, config: Any = None) -> str:
     return f"{key}: {root}" if key else root
 
 
+def trainer_entries(config: Any, section: str) -> list[tuple[int, dict[str, Any]]]:
+    """``(index, entry)`` of the ``class_path`` entries of ``trainer.<section>`` in ``config`` (nested dicts, as
+    parsed; a single entry counts as a list of one)."""
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    entries = trainer.get(section) if isinstance(trainer, dict) else None
+    entries = [entries] if isinstance(entries, dict) else entries or []
+    return [(i, e) for i, e in enumerate(entries) if isinstance(e, dict) and isinstance(e.get("class_path"), str)]
+
+
 def failing_entry(config: Any) -> str | None:
     """``"key: message"`` of the first of the trainer's plugins and callbacks in ``config`` (nested dicts, as parsed)
     whose constructor raises, constructed again to recover the message that a union type's validation dropped
     (they are cheap to construct, unlike the model and the data); ``None`` when all construct."""
-    trainer = config.get("trainer") if isinstance(config, dict) else None
     for section in ("plugins", "callbacks"):
-        entries = trainer.get(section) if isinstance(trainer, dict) else None
-        for i, entry in enumerate([entries] if isinstance(entries, dict) else entries or []):
-            if not isinstance(entry, dict) or not isinstance(entry.get("class_path"), str):
-                continue
+        for i, entry in trainer_entries(config, section):
             module, _, name = entry["class_path"].rpartition(".")
             try:
                 getattr(importlib.import_module(module), name)(**(entry.get("init_args") or {}))

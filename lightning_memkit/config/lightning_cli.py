@@ -36,6 +36,7 @@ from lightning_memkit.config.errors import (
     ConfigError,
     check_config_syntax,
     describe_config_error,
+    trainer_entries,
 )
 from lightning_memkit.measure.report import report_console
 
@@ -318,10 +319,8 @@ def describe_predictions(predictions: Any) -> str:
 
 def _one_budget(config: Any) -> None:
     """Refuse a second ``MemoryBudget`` (``--budget`` on a config that lists one): two budgets would both plan."""
-    trainer = config.get("trainer") if isinstance(config, dict) else None
-    callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
-    budgets = [(i, (c.get("init_args") or {}).get("budget")) for i, c in enumerate(callbacks or [])
-               if isinstance(c, dict) and str(c.get("class_path", "")).rpartition(".")[2] == "MemoryBudget"]
+    budgets = [(i, (c.get("init_args") or {}).get("budget")) for i, c in trainer_entries(config, "callbacks")
+               if c["class_path"].rpartition(".")[2] == "MemoryBudget"]
     if len(budgets) > 1:
         where = ", ".join(f"{budget!r} at trainer.callbacks[{i}]" for i, budget in budgets)
         raise ConfigError(f"trainer.callbacks: {len(budgets)} MemoryBudget callbacks ({where}; `--budget` adds one "
