@@ -36,7 +36,7 @@ def _killed_and_resumed(tmp_path, names, kill_at=5):
     pytest.param("checkpointing", marks=pytest.mark.slow),
     pytest.param("fused", marks=pytest.mark.slow),
     pytest.param("budget", marks=pytest.mark.slow),
-    pytest.param("qlora", marks=pytest.mark.slow),
+    "qlora",
 ])
 def test_a_fit_killed_mid_training_resumes_with_the_uninterrupted_losses(tmp_path, names):
     stitched = _killed_and_resumed(tmp_path, names)

@@ -1,14 +1,7 @@
 """Resuming a ``NoSaveBitsandbytesPrecision`` run: the model is converted before the checkpoint is restored
 (``QuantizedResume``, on every Trainer through Lightning's entry point), each packed weight comes back bit for bit,
-and the resumed run has the losses of the run that never stopped, also after a SIGKILL."""
-
-import json
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+and the resumed run has the losses of the run that never stopped (after a SIGKILL: tests/callbacks/
+test_resume_features.py)."""
 
 import pytest
 import torch
@@ -87,13 +80,11 @@ def test_every_trainer_has_the_callback_and_it_is_inert_without_the_plugin(tmp_p
 
 
 class _Losses(Callback):
-    def __init__(self, path=None):
-        self.losses, self.path = [], path
+    def __init__(self):
+        self.losses = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
-        if self.path is not None:
-            Path(self.path).write_text(json.dumps(self.losses))
 
 
 def _fit(max_steps, mode, rank, peft, dirpath, ckpt_path=None, family="llama"):
@@ -124,54 +115,6 @@ def test_a_resumed_qlora_fit_has_the_losses_of_the_fit_that_never_stopped(tmp_pa
     trained = {k: v for k, v in done.state_dict().items()}
     for key, value in resumed.state_dict().items():
         assert torch.equal(value, trained[key]), key
-
-
-_CHILD = textwrap.dedent("""
-    import json, os, signal, sys
-    from pathlib import Path
-    import torch
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from lightning_memkit.demo import ByteTextDataModule, HFCausalLM
-    from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
-
-    out, kill_at, resume = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "resume"
-
-    class Record(Callback):
-        def __init__(self):
-            self.losses = []
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(float(outputs["loss"]))
-            (out / ("resumed.json" if resume else "losses.json")).write_text(json.dumps(self.losses))
-            if trainer.global_step == kill_at:  # before this step's checkpoint is written
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    torch.manual_seed(0)
-    model = HFCausalLM("llama")
-    data = ByteTextDataModule(batch_size=4, seq_len=32, batch_format="hf", max_bytes=20_000, samples_per_epoch=8)
-    trainer = Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0,
-                      plugins=[NoSaveBitsandbytesPrecision("nf4", "bfloat16", lora_rank=4)],
-                      callbacks=[Record(), ModelCheckpoint(dirpath=out / "ckpt", save_last=True,
-                                                           every_n_train_steps=1)])
-    trainer.fit(model, data, ckpt_path="last" if resume else None)
-""")
-
-
-def test_a_qlora_fit_killed_mid_training_resumes_with_the_uninterrupted_losses(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text(_CHILD)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    killed = subprocess.run([sys.executable, str(script), str(tmp_path), "5", "fit"], env=env, capture_output=True)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
-    seen = json.loads((tmp_path / "losses.json").read_text())
-    assert len(seen) == 5  # steps 1-5 ran; the last checkpoint holds step 4, the end of the second epoch
-    resumed = subprocess.run([sys.executable, str(script), str(tmp_path), "-1", "resume"], env=env,
-                             capture_output=True)
-    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
-    straight, _ = _fit(6, "nf4", 4, False, tmp_path / "straight")
-    after = json.loads((tmp_path / "resumed.json").read_text())
-    assert seen[:4] + after == straight
 
 
 def test_validate_from_a_qlora_checkpoint_loads_it_as_trained(tmp_path):
