@@ -293,7 +293,7 @@ def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_line(tmp_path, caps
 
 
 def test_the_console_script_imports_a_model_beside_the_working_directory(tmp_path):
-    """``memkit fit`` finds ``mylm.MyLM`` in ``./mylm.py`` as ``python -m`` would; a missing module names the path."""
+    """``memkit fit`` (the console script) finds ``mylm.MyLM`` in ``./mylm.py`` as ``python -m`` would."""
     import subprocess
 
     script = Path(sys.executable).parent / "memkit"
@@ -306,6 +306,13 @@ def test_the_console_script_imports_a_model_beside_the_working_directory(tmp_pat
     ran = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "MyLM" in ran.stdout + ran.stderr
-    missing = subprocess.run([*args[:-6], "--model", "nolm.NoLM"], cwd=tmp_path, capture_output=True, text=True)
-    assert missing.returncode == 2
-    assert "No module named 'nolm'" in missing.stderr and f"working directory {tmp_path}" in missing.stderr
+
+
+
+def test_a_missing_model_module_names_the_working_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*demo_args(tmp_path), "--model", "nolm.NoLM"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "No module named 'nolm'" in err and f"working directory {tmp_path}" in err

@@ -47,7 +47,23 @@ assert "lightning_memkit" not in sys.modules
 LOGIT_STEPS = {("bfloat16", True): 1.0, ("bfloat16", False): 1.5, ("float32", True): 2.5, ("float32", False): 4.0}
 
 
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """``fitted(dtype, peft) -> (module, adapters directory, base directory)``: each fit made once per module (the
+    adapter and merged exports of a fit are tested on the same trained model)."""
+    fits = {}
+
+    def get(dtype: str, peft: bool):
+        if (dtype, peft) not in fits:
+            folder = tmp_path_factory.mktemp(f"fit-{dtype}-{'peft' if peft else 'own'}")
+            fits[dtype, peft] = (*_fit(folder, dtype, peft), folder / "base")
+        return fits[dtype, peft]
+
+    return get
+
+
 def _fit(tmp_path, dtype: str, peft: bool):
+    torch.manual_seed(0)  # the adapters' initialisation: the measured gaps below are this fit's
     base = tmp_path / "base"
     tiny_hf_causal_lm("llama", seed=0, dtype=getattr(torch, dtype)).save_pretrained(base)
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]} if peft else None
@@ -62,12 +78,12 @@ def _fit(tmp_path, dtype: str, peft: bool):
     return module, export.written
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("peft", [False, True], ids=["own_adapters", "peft_adapters"])
-def test_exported_adapters_give_the_trained_model_in_plain_transformers_and_peft(tmp_path, dtype, peft):
-    module, written = _fit(tmp_path, dtype, peft)
+def test_exported_adapters_give_the_trained_model_in_plain_transformers_and_peft(tmp_path, fitted, dtype, peft):
+    module, written, base = fitted(dtype, peft)
     meta = json.loads((written / BASE_FILE).read_text())
-    assert meta == {"base_model_name_or_path": str(tmp_path / "base"), "dtype": dtype, "bitsandbytes_config": {
+    assert meta == {"base_model_name_or_path": str(base), "dtype": dtype, "bitsandbytes_config": {
         "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
         "bnb_4bit_compute_dtype": "bfloat16"}}
     steps, same_generation = _served_elsewhere(module, ELSEWHERE, written, tmp_path, "theirs.pt")
@@ -126,10 +142,10 @@ assert not {"lightning_memkit", "peft", "bitsandbytes"} & set(sys.modules), "ser
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["own_adapters", "peft_adapters"])
-def test_the_merged_export_serves_with_transformers_alone(tmp_path, peft):
+def test_the_merged_export_serves_with_transformers_alone(tmp_path, fitted, peft):
     """Measured: peft's adapters 1.00 bf16 step off the trained model, the same generation; the plugin's own 4.75
     steps and another generation (the trained model computes their update in bf16, the merge in float32)."""
-    module, _ = _fit(tmp_path, "bfloat16", peft)
+    module, _, _ = fitted("bfloat16", peft)
     merged = export_merged(module, tmp_path / "merged")
     steps, same_generation = _served_elsewhere(module, MERGED, merged, tmp_path, "merged.pt")
     assert steps <= (1.0 if peft else 5.0)
