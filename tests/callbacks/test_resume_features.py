@@ -3,22 +3,19 @@ the losses of the fit that never stopped, bitwise on CPU; a checkpoint stays loa
 fused loss is added on resume (the same math, to float32 rounding)."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import ranks
 import resume_child
 
 CHILD = Path(resume_child.__file__)
 
 
 def _child(out, names, kill_at, mode):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, str(CHILD), str(out), names, str(kill_at), mode], env=env,
-                          capture_output=True, text=True)
+    """``resume_child.py`` in a process of its own (forked by the test zygote: the imports are done once)."""
+    return ranks.run([str(CHILD), str(out), names, str(kill_at), mode], timeout=240, PYTHONWARNINGS="ignore")
 
 
 def _killed_and_resumed(tmp_path, names, kill_at=5):
