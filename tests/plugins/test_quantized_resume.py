@@ -129,3 +129,13 @@ def test_validate_from_a_qlora_checkpoint_loads_it_as_trained(tmp_path):
     trainer.validate(fresh, data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), verbose=False)
     reference = trained.state_dict()
     assert all(torch.equal(v, reference[k]) for k, v in fresh.state_dict().items())
+
+
+def test_a_packed_weight_without_its_quant_state_is_refused():
+    """A malformed converted state dict (one layer's absmax and quant map lost) is an error, not a guess."""
+    plugin = NoSaveBitsandbytesPrecision("nf4", "bfloat16", lora_rank=2)
+    saved = plugin.convert_module(_net()).state_dict()
+    broken = {k: v for k, v in saved.items() if not k.startswith("2.weight.")}
+    target = NoSaveBitsandbytesPrecision("nf4", "bfloat16", lora_rank=2).convert_module(_net())
+    with pytest.raises(ValueError, match=r"packed weight 2.weight but no quant state \(absmax, quant_map\)"):
+        target.load_state_dict(broken)
