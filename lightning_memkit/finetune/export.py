@@ -3,7 +3,7 @@
 ``export_adapters(module, directory)`` writes ``adapter_config.json`` and ``adapter_model.safetensors`` (what
 ``PeftModel.from_pretrained`` reads) for peft's adapters or for ``NoSaveBitsandbytesPrecision``'s own
 (``lora_rank > 0``: each layer's ``A``/``B`` become peft's ``lora_A``/``lora_B``, the same scaling), and
-``memkit_base.json``: the base's name or path, the dtype it was loaded in, and the ``BitsAndBytesConfig``
+``memkit_base.json``: the base's name or path, the dtype to load it in, and the ``BitsAndBytesConfig``
 arguments of its quantization (type, double quantization, compute dtype; block size 64, transformers' own).
 Loading the base that way and the adapters with peft gives the trained model (``docs/finetune.md``).
 :class:`ExportAdapters` does it at the end of ``fit``.
@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_memkit.hf.qlora import hf_models
+from lightning_memkit.hf.qlora import QLoRAExperts, dequantized_experts, expert_projections, hf_models
 from lightning_memkit.ops.lora import ExpertLoRAAdapter, LoRAAdapter
 
 __all__ = ["BASE_FILE", "ExportAdapters", "check_exportable", "export_adapters", "export_merged"]
@@ -49,7 +49,8 @@ def export_adapters(module: nn.Module, directory: str | Path, *, base: str | Non
             ``NoSaveBitsandbytesPrecision`` with ``lora_rank > 0``.
         directory: created if missing.
         base: the base's name or path (default: the model config's ``_name_or_path``).
-        base_dtype: the dtype the base was loaded in (default: ``module.hparams["dtype"]``, as
+        base_dtype: the dtype to load the base in (default: for a quantized base, the dtype the plugin cast and
+            quantized it in, its compute dtype; else ``module.hparams["dtype"]``, as
             :class:`~lightning_memkit.finetune.PretrainedCausalLM` records it, else the dtype of the model's input
             embedding).
 
@@ -65,7 +66,7 @@ def export_adapters(module: nn.Module, directory: str | Path, *, base: str | Non
     else:
         base = base or getattr(model.config, "_name_or_path", None)
         _save_own(*own, out, base)
-    dtype = _base_dtype(module, model, base_dtype)
+    dtype = _base_dtype(module, model, base_dtype, as_trained=quantization is not None)
     (out / BASE_FILE).write_text(json.dumps({
         "base_model_name_or_path": base, "dtype": dtype, "bitsandbytes_config": quantization,
     }, indent=2) + "\n")
@@ -157,10 +158,11 @@ def _quantization(model: nn.Module) -> dict[str, Any] | None:
             "bnb_4bit_compute_dtype": str(layer.compute_dtype).removeprefix("torch.")}
 
 
-def _base_dtype(module: nn.Module, model: nn.Module, given: str | torch.dtype | None) -> str:
-    """The dtype to load the base in: ``given``, else the one the module loaded it in (``hparams["dtype"]``, as
-    :class:`~lightning_memkit.finetune.PretrainedCausalLM` records it), else that of the model's input embedding."""
-    if given is None:
+def _base_dtype(module: nn.Module, model: nn.Module, given: str | torch.dtype | None, as_trained: bool) -> str:
+    """The dtype to load the base in: ``given``; else, ``as_trained`` (a quantized base: the plugin cast it to its
+    ``dtype`` and quantized it from there), that of the model's input embedding; else the one the module loaded
+    it in (``hparams["dtype"]``, as :class:`~lightning_memkit.finetune.PretrainedCausalLM` records it)."""
+    if given is None and not as_trained:
         hparams = getattr(module, "hparams", None)
         given = hparams.get("dtype") if hasattr(hparams, "get") else None
     if given is None:
@@ -212,6 +214,8 @@ def _merged(model: nn.Module, name: str, like: torch.Tensor) -> torch.Tensor:
     base = getattr(owner, "base_layer", owner)  # a peft LoRA layer wraps the Linear it adapts
     if attr == "weight" and isinstance(base, NoSaveLinearMixin) and base.is_quantized:
         weight = dequantize_weight(base, torch.float32)
+    elif isinstance(owner, QLoRAExperts) and attr in expert_projections(owner):  # quantized, without adapters
+        weight = dequantized_experts(owner)[attr]  # (adapters on experts are refused before the merge)
     else:
         weight = getattr(base, attr).detach().float()
     if attr == "weight":

@@ -6,10 +6,11 @@
 tokens routed to expert ``e`` is ``dropout(x) @ A[e] @ B[e] * alpha / rank``.
 
 ``A`` (``rank x in_features``) starts Kaiming-uniform and ``B`` (``out_features x rank``) at zero, so a
-fresh adapter leaves the layer's output unchanged (Hu et al., 2021). The parameters are float32; the
-product runs in the input's dtype (``A`` and ``B`` are cast, never the activation), so the graph keeps
-``dropout(x)`` (the input itself when ``dropout == 0``) and the ``(..., rank)`` intermediate, nothing
-the size of the weight.
+fresh adapter leaves the layer's output unchanged (Hu et al., 2021). The parameters are float32 and the
+update is formed in float32, then rounded once to the input's dtype, as peft computes its adapters on a
+bf16 or fp16 base: the adapters' numerics do not change when they are exported to peft. The graph keeps
+``dropout(x)`` in its own dtype (the input itself when ``dropout == 0``; backward widens it again) and the
+float32 ``(..., rank)`` intermediate, nothing the size of the weight.
 
 Example::
 
@@ -33,7 +34,7 @@ from torch import nn
 
 from lightning_memkit.common.validation import check_int, check_number
 
-__all__ = ["LoRAAdapter", "ExpertLoRAAdapter", "check_lora_args", "freeze_base_"]
+__all__ = ["LoRAAdapter", "ExpertLoRAAdapter", "check_lora_args", "freeze_base_", "low_rank_update"]
 
 
 def check_lora_args(rank: int, alpha: float, dropout: float, *, owner: str = "LoRAAdapter") -> None:
@@ -41,6 +42,73 @@ def check_lora_args(rank: int, alpha: float, dropout: float, *, owner: str = "Lo
     check_int(rank, "lora_rank", minimum=0, owner=owner)  # 0 disables the adapters
     check_number(alpha, "lora_alpha", minimum=0, min_inclusive=False, owner=owner)
     check_number(dropout, "lora_dropout", minimum=0, maximum=1, max_inclusive=False, owner=owner)
+
+
+WIDE_SLICE_BYTES = 32 * 2**20  # float32 rows of the input, the update or their gradients: one slice at a time
+
+
+def _slice_rows(*widths: int) -> int:
+    """Rows per slice: their float32 values at the widest of ``widths`` fit :data:`WIDE_SLICE_BYTES`."""
+    return max(1, WIDE_SLICE_BYTES // (4 * max(1, *widths)))
+
+
+def _joined(slices: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    return slices[0] if len(slices) == 1 else torch.cat(slices) if slices else empty
+
+
+class _LowRankUpdate(torch.autograd.Function):
+    """``(x @ a @ b) * scaling`` in float32, returned in ``x``'s dtype; keeps ``x`` as it came and the float32
+    ``(..., rank)`` product. The float32 rows the size of ``x``, the update or their gradients exist one slice
+    of rows at a time (peft widens and keeps the whole input, and forms the whole update in float32)."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, scaling):  # noqa: D102
+        # nothing in place: selective activation checkpointing caches these ops' outputs and refuses mutated ones
+        rows = x.reshape(-1, x.shape[-1])
+        hs, outs, step = [], [], _slice_rows(a.shape[0], b.shape[1])
+        for i in range(0, rows.shape[0], step):
+            hs.append(rows[i:i + step].float() @ a)
+            outs.append(((hs[-1] @ b) * scaling).to(x.dtype))
+        ctx.save_for_backward(x, a, b, _joined(hs, rows.new_empty(0, a.shape[1], dtype=torch.float32)))
+        ctx.scaling = scaling
+        return _joined(outs, rows.new_empty(0, b.shape[1])).reshape(*x.shape[:-1], b.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        x, a, b, h = ctx.saved_tensors
+        rows, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        need_x, need_a, need_b = ctx.needs_input_grad[:3]
+        grad_x = torch.empty_like(rows) if need_x else None
+        grad_a = torch.zeros_like(a) if need_a else None
+        grad_b = torch.zeros_like(b) if need_b else None
+        step = _slice_rows(a.shape[0], b.shape[1])
+        for i in range(0, rows.shape[0], step):
+            g = grad[i:i + step].to(torch.float32, copy=True).mul_(ctx.scaling)  # never the caller's gradient
+            gh = g @ b.mT
+            if need_x:
+                grad_x[i:i + step] = (gh @ a.mT).to(x.dtype)
+            if need_a:
+                grad_a.addmm_(rows[i:i + step].float().mT, gh)
+            if need_b:
+                grad_b.addmm_(h[i:i + step].mT, g)
+        return grad_x.reshape(x.shape) if need_x else None, grad_a, grad_b, None
+
+
+def low_rank_update(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``x @ a @ b * scaling`` formed in float32 and rounded once to ``x``'s dtype (peft's adapter numerics).
+
+    ``a`` is ``(in_features, rank)`` and ``b`` ``(rank, out_features)``, float32. Autograd keeps ``x`` in its
+    own dtype and the float32 ``(..., rank)`` product: a bf16 input costs no more than before it was widened.
+
+    Example::
+
+        >>> import torch
+        >>> x, a, b = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(8, 2), torch.randn(2, 4)
+        >>> out = low_rank_update(x, a, b, 0.5)
+        >>> out.dtype, torch.equal(out, (x.float() @ a @ b * 0.5).bfloat16())
+        (torch.bfloat16, True)
+    """
+    return _LowRankUpdate.apply(x, a, b, scaling)
 
 
 class LoRAAdapter(nn.Module):
@@ -80,9 +148,8 @@ class LoRAAdapter(nn.Module):
         nn.init.zeros_(self.B)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The update ``(..., out_features)`` in ``x``'s dtype."""
-        h = torch.nn.functional.linear(self.dropout(x), self.A.to(x.dtype))
-        return torch.nn.functional.linear(h, self.B.to(x.dtype)) * self.scaling
+        """The update ``(..., out_features)``, formed in float32, in ``x``'s dtype."""
+        return low_rank_update(self.dropout(x), self.A.t(), self.B.t(), self.scaling)
 
     def extra_repr(self) -> str:
         return f"in_features={self.A.shape[1]}, out_features={self.B.shape[0]}, rank={self.rank}, alpha={self.alpha:g}"
@@ -101,8 +168,8 @@ class ExpertLoRAAdapter(nn.Module):
         device: where the parameters live.
 
     ``A[e]`` starts uniform in ``+-1/sqrt(in_features)`` (the bound :class:`LoRAAdapter`'s Kaiming init gives)
-    and ``B`` at zero. Parameters are float32; ``forward(x, e)`` computes in ``x``'s dtype, casting only
-    expert ``e``'s slices, so the graph keeps ``dropout(x)``, the ``(..., rank)`` intermediate and those slices.
+    and ``B`` at zero. Parameters are float32; ``forward(x, e)`` forms expert ``e``'s update in float32 and
+    returns it in ``x``'s dtype, so the graph keeps ``dropout(x)`` and the float32 ``(..., rank)`` intermediate.
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int, alpha: float = 16,
@@ -128,8 +195,7 @@ class ExpertLoRAAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """The update ``(..., out_features)`` of expert ``expert`` for its tokens ``x``, in ``x``'s dtype."""
-        h = self.dropout(x) @ self.A[expert].to(x.dtype)
-        return (h @ self.B[expert].to(x.dtype)) * self.scaling
+        return low_rank_update(self.dropout(x), self.A[expert], self.B[expert], self.scaling)
 
     def extra_repr(self) -> str:
         e, i, r = self.A.shape

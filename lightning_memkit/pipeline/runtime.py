@@ -134,11 +134,12 @@ def release_to_meta(layer: nn.Module, keep: set[int]) -> None:
     """Move ``layer``'s parameters and buffers to ``meta`` (freeing their storage), except those in ``keep``.
 
     A kept parameter (``id`` in ``keep``: another local layer uses it) is replaced in ``layer`` by a ``meta``
-    stand-in, so the local layer keeps the real one.
+    stand-in, so the local layer keeps the real one; so is a parameter of a subclass that cannot move to ``meta``
+    (bitsandbytes' packed ``Params4bit``): the layer is never run here.
     """
     for module in layer.modules():
         for name, p in list(module.named_parameters(recurse=False)):
-            if id(p) in keep:
+            if id(p) in keep or type(p) is not nn.Parameter:
                 module.register_parameter(name, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
     layer.to("meta")
 

@@ -40,7 +40,7 @@ import functools
 import logging
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -97,12 +97,11 @@ def packed_modes(state_dict: dict) -> set[str]:
 
 # -- layer classes ---------------------------------------------------------------------------------------
 class _NoSave4bitMixin(NoSaveLinearMixin):
-    @staticmethod
-    def quantize(params4bit, weight: torch.Tensor, device: torch.device | None):
-        if device is None or device.type == "cuda":
-            return _fabric_bnb._Linear4bit.quantize(params4bit, weight, device)
-        # Lightning's steps, on any device (its version raises for everything but CUDA)
-        w = weight.contiguous().to(device=device, dtype=torch.half)
+    def quantize(self, params4bit, weight: torch.Tensor, device: torch.device | None):
+        """Lightning's steps on any device, from the weight in this layer's compute dtype (Lightning's own quantize a
+        float16 copy, on CUDA only): the packed bytes and quant state transformers' ``BitsAndBytesConfig`` makes of
+        a base loaded in that dtype, so exported adapters meet the base they were trained on."""
+        w = weight.contiguous().to(device=device or torch.device("cuda"), dtype=self.compute_dtype or weight.dtype)
         w_4bit, quant_state = _fabric_bnb._import_bitsandbytes().functional.quantize_4bit(
             w,
             blocksize=params4bit.blocksize,
@@ -442,15 +441,20 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         """
 
         def convert_first(target, state_dict, *_args) -> None:
-            saved = packed_modes(state_dict) if target not in self._converted else set()
-            if saved:
-                if saved != {self.mode}:  # refused before the model changes
-                    raise ValueError(f"NoSaveBitsandbytesPrecision(mode={self.mode!r}) cannot load a state dict "
-                                     f"quantized as {', '.join(sorted(saved))}: resume with the mode it was "
-                                     "trained with")
-                self.convert_module(target)
+            self.convert_for(target, state_dict)
 
         return module.register_load_state_dict_pre_hook(convert_first)
+
+    def convert_for(self, module: nn.Module, state_dict: Mapping[str, Any]) -> None:
+        """Convert ``module`` now when ``state_dict`` is a converted model's (a checkpoint of a run with this plugin,
+        in ``module``'s key space); one quantized in another mode is refused before the model changes. Anything
+        else leaves ``module`` as it is (the strategies that check a checkpoint's shapes first call this)."""
+        saved = packed_modes(state_dict) if module not in self._converted else set()
+        if saved:
+            if saved != {self.mode}:
+                raise ValueError(f"NoSaveBitsandbytesPrecision(mode={self.mode!r}) cannot load a state dict "
+                                 f"quantized as {', '.join(sorted(saved))}: resume with the mode it was trained with")
+            self.convert_module(module)
 
     def _convert_linears(self, module: nn.Module, ours: tuple[type, ...], kept: set[str]) -> nn.Module:
         """Lightning's layer replacement (``kept`` layers hidden from it), then quantize, freeze, add LoRA.

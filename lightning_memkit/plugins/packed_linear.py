@@ -51,9 +51,10 @@ class PackedLinear(NoSaveLinearMixin, nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, dtype: torch.dtype) -> PackedLinear:
-        """Quantize ``linear``'s weight as the plugin's ``mode`` layer would (from float16, as Lightning does)."""
+        """Quantize ``linear``'s weight as the plugin's ``mode`` layer would (4-bit: from ``dtype``; int8: from
+        float16, as bitsandbytes does)."""
         functional = import_bitsandbytes().functional
-        w = linear.weight.detach().to(torch.float16)
+        w = linear.weight.detach().to(torch.float16 if mode == "int8" else dtype)
         if mode == "int8":
             cb, scb, _ = functional.int8_vectorwise_quant(w)
             weight = nn.Parameter(cb, requires_grad=False)

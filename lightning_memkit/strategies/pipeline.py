@@ -751,6 +751,9 @@ class MemkitPipelineStrategy(ProcessGroupStrategy):
         manifest, checkpoint = ckpt_format.load_committed_shard(path, pp_rank, weights_only=weights_only)
         if manifest["save_id"] != first["save_id"]:  # replaced meanwhile: the save that was loaded is checked too
             self._check_split(path, manifest)
+        convert_for = getattr(self.precision_plugin, "convert_for", None)
+        if convert_for is not None:  # a QLoRA checkpoint: its shapes are those of the converted model
+            convert_for(self.lightning_module, checkpoint.get("state_dict", {}))
         problem = model_mismatch(manifest["meta"], checkpoint.get("state_dict", {}),
                                  self.lightning_module.state_dict(), len(self._build_plan().layers))
         if problem is not None:

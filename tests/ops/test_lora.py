@@ -131,3 +131,104 @@ def test_freeze_base_freezes_and_casts_everything_but_adapters():
     assert net.codes.dtype == torch.uint8
     adapters = [p for n, p in net.named_parameters() if "lora" in n]
     assert len(adapters) == 4 and all(p.requires_grad and p.dtype == torch.float32 for p in adapters)
+
+
+def _peft_update(x, lora):
+    """peft's adapter on a 16-bit base: the input widened to float32, the update formed there, rounded once."""
+    linear = torch.nn.functional.linear
+    return (linear(linear(x.float(), lora.A), lora.B) * lora.scaling).to(x.dtype)
+
+
+def test_the_update_has_peft_numerics_and_gradients():
+    lora = LoRAAdapter(64, 48, rank=4, alpha=8)
+    torch.nn.init.normal_(lora.B)
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16, requires_grad=True)
+    out = lora(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, _peft_update(x, lora))
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (x, lora.A, lora.B), g)
+    theirs = torch.autograd.grad(_peft_update(x, lora), (x, lora.A, lora.B), g)
+    assert torch.equal(ours[0], theirs[0])
+    for mine, peft in zip(ours[1:], theirs[1:]):
+        torch.testing.assert_close(mine, peft, rtol=1e-6, atol=1e-6)
+
+
+def test_sliced_rows_give_the_same_update_and_gradients(monkeypatch):
+    """Slices of 3 rows (the float32 copies bounded) against one slice: the same update, the gradients to float32
+    rounding (the sums over slices are ordered otherwise), both within float32 of the fp64 oracle."""
+    from lightning_memkit.ops import lora as lora_module
+
+    lora = LoRAAdapter(16, 8, rank=2)
+    torch.nn.init.normal_(lora.B)
+    x = torch.randn(10, 16, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(10, 8, dtype=torch.bfloat16)
+    whole = lora(x)
+    whole_grads = torch.autograd.grad(whole, (x, lora.A, lora.B), g)
+    monkeypatch.setattr(lora_module, "WIDE_SLICE_BYTES", 3 * 16 * 4)
+    sliced = lora(x)
+    sliced_grads = torch.autograd.grad(sliced, (x, lora.A, lora.B), g)
+    assert torch.equal(sliced, whole) and torch.equal(sliced_grads[0], whole_grads[0])
+    x64 = x.detach().double().requires_grad_()
+    a64, b64 = lora.A.detach().double().requires_grad_(), lora.B.detach().double().requires_grad_()
+    oracle = torch.autograd.grad(x64 @ a64.t() @ b64.t() * lora.scaling, (a64, b64), g.double())
+    for mine, one, exact in zip(sliced_grads[1:], whole_grads[1:], oracle):
+        torch.testing.assert_close(mine, one, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_no_rows_routed_to_an_expert():
+    from lightning_memkit.ops.lora import ExpertLoRAAdapter
+
+    experts = ExpertLoRAAdapter(num_experts=2, in_features=8, out_features=4, rank=2)
+    x = torch.zeros(0, 8, dtype=torch.bfloat16, requires_grad=True)
+    out = experts(x, 1)
+    out.float().sum().backward()
+    assert out.shape == (0, 4) and torch.count_nonzero(experts.A.grad) == 0 and x.grad.shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_widens_one_slice_at_a_time_and_leaves_the_gradient_alone(monkeypatch, dtype):
+    """An input of 4,096 x 512: backward's temporaries are one slice of 256 rows (the output gradient in float32,
+    the input gradient in float32 and, bf16, rounded), not the whole input (8 MiB widened) or update."""
+    from lightning_memkit.ops import lora as lora_module
+
+    monkeypatch.setattr(lora_module, "WIDE_SLICE_BYTES", 256 * 512 * 4)
+    lora = LoRAAdapter(512, 512, rank=8)
+    x = torch.randn(4096, 512, dtype=dtype, requires_grad=True)
+    out = lora(x)
+    g = torch.randn_like(out)
+    before = g.clone()
+    with LivePeak() as lp:
+        grads = torch.autograd.grad(out, (x, lora.A, lora.B), g)
+        kept = sum(t.untyped_storage().nbytes() for t in grads)
+    slice_f32 = 256 * 512 * 4
+    assert lp.peak_bytes - kept < (2.6 if dtype == torch.bfloat16 else 2.1) * slice_f32
+    assert torch.equal(g, before)  # scaled in a copy, never in the caller's tensor
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputed_under_activation_checkpointing_with_the_same_gradients(mode, monkeypatch):
+    """Under selective checkpointing the saved matmul outputs are cached and must not be changed in place; sliced
+    rows (3 per slice) too."""
+    from lightning_memkit.ops import lora as lora_module
+    from lightning_memkit.recompute.activation_recompute import checkpoint_modules
+
+    monkeypatch.setattr(lora_module, "WIDE_SLICE_BYTES", 3 * 32 * 4)
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()).to(torch.bfloat16)
+    block[0].requires_grad_(False)
+    lora = LoRAAdapter(32, 32, rank=4)
+    torch.nn.init.normal_(lora.B)
+    net = torch.nn.ModuleDict({"block": block, "lora": lora})
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        h = net["block"](x)
+        (h + net["lora"](h)).float().square().sum().backward()
+        return lora.A.grad.clone(), lora.B.grad.clone()
+
+    plain = step()
+    with checkpoint_modules([("lora", lora)], mode):
+        recomputed = step()
+    assert all(torch.equal(a, b) for a, b in zip(recomputed, plain))
