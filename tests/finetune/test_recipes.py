@@ -19,7 +19,8 @@ RECIPES = sorted((Path(__file__).resolve().parents[2] / "examples" / "recipes").
 FAMILY = {"qwen3_moe": "qwen3_moe"}
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if "moe" in r.stem else r for r in RECIPES],
+                         ids=[r.stem for r in RECIPES])  # the MoE recipe in the slow suite (10 s)
 def test_a_recipe_fits_resumes_and_exports_on_a_tiny_model(recipe, tmp_path, capsys):
     from transformers import AutoTokenizer
 
