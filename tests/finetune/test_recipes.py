@@ -1,4 +1,4 @@
-"""Each recipe of examples/recipes/ runs end to end on a tiny model saved here with a tokenizer trained here
+"""Each recipe of examples/configs/recipes/ runs end to end on a tiny model saved here with a tokenizer trained here
 (nothing downloaded): fit, its checkpoint resumed, its adapters exported (where it has them), the merged model
 written by ``memkit export --merged`` and loaded by transformers."""
 
@@ -15,7 +15,7 @@ from lightning_memkit.cli.main import main  # noqa: E402
 from lightning_memkit.demo.hf_models import tiny_hf_causal_lm  # noqa: E402
 from lightning_memkit.finetune import train_tokenizer  # noqa: E402
 
-RECIPES = sorted((Path(__file__).resolve().parents[2] / "examples" / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs" / "recipes").glob("*.yaml"))
 FAMILY = {"qwen3_moe": "qwen3_moe"}
 
 
