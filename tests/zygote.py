@@ -192,8 +192,9 @@ def main() -> None:
     args, listener = sys.argv[1:], None
     if args[:1] == ["--socket"]:  # bound before the imports: a test process may connect at once (and wait)
         listener = socket.socket(socket.AF_UNIX)
-        listener.bind(args[1])
+        listener.bind(args[1] + ".binding")
         listener.listen(16)
+        os.rename(args[1] + ".binding", args[1])  # the path appears listening: a connect is never refused
         args = args[2:]
     for name in args or PRELOAD:
         try:

@@ -1,0 +1,99 @@
+"""The planner's answers on fixed cases, as a table: every estimate benchmark case's predicted peak, and plan
+searches (HF configs, LightningCLI configs, modules as built) at two budgets: each search's plans in the
+order estimated with their predicted peaks and overheads, and the plans it returns. ``test_plan_table.py``
+holds the table the planner gave before its levers moved onto one protocol; the planner must keep giving it.
+
+``python tests/estimate/plan_table.py`` prints the table as JSON (``> tests/estimate/plan_table.json`` to renew it,
+only for a change meant to alter the planner's answers).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FRACTIONS = (0.6, 0.3)  # budgets as fractions of the run-as-given's predicted peak
+
+
+def _search_rows(run, fractions=FRACTIONS) -> list[dict]:
+    from lightning_memkit.estimate.plans import search_plans
+
+    base = run.estimate(run.base).peak_bytes
+    rows = []
+    for fraction in fractions:
+        lines: list[str] = []
+        result = search_plans(run, max(int(base * fraction), 1), max_plans=3, progress=lines.append)
+        rows.append({"budget": int(base * fraction), "estimated": result.estimated, "skipped": result.skipped,
+                     "tried": [line.split(": ", 1)[1].split(" (")[0] for line in lines],
+                     "base_peak": result.base.peak_bytes,
+                     "plans": [[r.plan.describe(run.base), r.peak_bytes, round(r.overhead, 6), r.yaml()]
+                               for r in result.fitting]})
+    return rows
+
+
+def _hf_searches() -> dict:
+    from lightning_memkit.demo.hf_models import tiny_hf_config
+    from lightning_memkit.estimate.plans import HFRun
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, kwargs in (("llama", {}), ("llama", {"plugin": "nf4-lora", "precision": "bf16-true"}),
+                               ("qwen3_moe", {"activation_checkpointing": "selective", "fused_loss": True})):
+            path = Path(tmp) / f"{family}.json"
+            path.write_text(tiny_hf_config(family, hidden_size=64, num_layers=4, vocab_size=1000).to_json_string())
+            run = HFRun(path, seq_len=64, batch_size=4, device="cpu", lora_rank=8, **kwargs)
+            out[f"hf {family} {sorted(kwargs.items())}"] = _search_rows(run)
+    return out
+
+
+def _config_searches() -> dict:
+    from lightning_memkit.estimate.plans import ConfigRun
+
+    out = {}
+    for name in ("tiny_lm_qlora.yaml", "hf_llama_peft_lora.yaml"):
+        run = ConfigRun(ROOT / "examples" / "configs" / name)
+        out[f"config {name}"] = _search_rows(run)
+    return out
+
+
+def _module_searches() -> dict:
+    import torch
+
+    from lightning_memkit.demo import HFCausalLM, TinyLM
+    from lightning_memkit.estimate.module import ModuleRun
+
+    out = {}
+    torch.manual_seed(0)
+    lm = TinyLM(d_model=32, n_layers=2, n_heads=2, seq_len=32)
+    tokens = torch.randint(0, 256, (8, 33))
+    for allow in (("recompute", "fused_loss", "micro_batch"), ("recompute", "fused_loss", "micro_batch", "precision")):
+        run = ModuleRun(lm, (tokens[:, :-1], tokens[:, 1:]), allow=allow)
+        out[f"module TinyLM {list(allow)}"] = _search_rows(run)
+    hf = HFCausalLM("qwen3_moe", hidden_size=32, num_layers=2, vocab_size=256, seed=0)
+    ids = torch.randint(0, 256, (4, 32))
+    run = ModuleRun(hf, {"input_ids": ids, "labels": ids})
+    out["module HFCausalLM qwen3_moe"] = _search_rows(run)
+    return out
+
+
+def _estimate_cases() -> dict:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_estimate import CASES, predict
+
+    return {case.name: predict(case) for case in CASES}
+
+
+def table() -> dict:
+    """The planner's answers on every case (about three minutes on 2 cores)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {"estimates": _estimate_cases(), "searches": {**_hf_searches(), **_config_searches(),
+                                                              **_module_searches()}}
+
+
+if __name__ == "__main__":
+    print(json.dumps(table(), indent=1))
