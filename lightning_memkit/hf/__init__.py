@@ -20,7 +20,8 @@ from lightning_memkit.hf.qlora import (
 
 _LAZY = {
     name: ".pipeline_stages"
-    for name in ("CausalLMLoss", "CausalLMStages", "SUPPORTED_MODEL_TYPES", "causal_lm_stages", "find_causal_lm")
+    for name in ("CausalLMLoss", "CausalLMStages", "SUPPORTED_MODEL_TYPES", "TESTED_MODEL_TYPES", "causal_lm_stages",
+                 "find_causal_lm")
 }
 
 __all__ = [

@@ -326,3 +326,9 @@ def test_every_registered_causal_lm_is_reproduced_or_refused():
     built = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "gpt_oss", "gemma2", "gemma3_text", "phi3", "olmoe"}
     assert built <= set(reproduced)
     assert len(reproduced) >= 40 and refused, (reproduced, refused)
+
+
+def test_the_tested_families_are_exported_by_the_hf_package():
+    import lightning_memkit.hf as hf
+
+    assert hf.TESTED_MODEL_TYPES is TESTED_MODEL_TYPES and "TESTED_MODEL_TYPES" in hf.__all__
