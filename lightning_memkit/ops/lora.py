@@ -52,8 +52,11 @@ def _slice_rows(*widths: int) -> int:
     return max(1, WIDE_SLICE_BYTES // (4 * max(1, *widths)))
 
 
-def _joined(slices: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
-    return slices[0] if len(slices) == 1 else torch.cat(slices) if slices else empty
+def _joined(slices: list[torch.Tensor], like: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The slices' rows as one tensor (no copy for one slice; ``(0, width)`` of ``dtype`` for none)."""
+    if len(slices) == 1:
+        return slices[0]
+    return torch.cat(slices) if slices else like.new_empty(0, width, dtype=dtype)
 
 
 class _LowRankUpdate(torch.autograd.Function):
@@ -69,9 +72,9 @@ class _LowRankUpdate(torch.autograd.Function):
         for i in range(0, rows.shape[0], step):
             hs.append(rows[i:i + step].float() @ a)
             outs.append(((hs[-1] @ b) * scaling).to(x.dtype))
-        ctx.save_for_backward(x, a, b, _joined(hs, rows.new_empty(0, a.shape[1], dtype=torch.float32)))
+        ctx.save_for_backward(x, a, b, _joined(hs, rows, a.shape[1], torch.float32))
         ctx.scaling = scaling
-        return _joined(outs, rows.new_empty(0, b.shape[1])).reshape(*x.shape[:-1], b.shape[1])
+        return _joined(outs, rows, b.shape[1], x.dtype).reshape(*x.shape[:-1], b.shape[1])
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
