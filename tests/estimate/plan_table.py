@@ -87,12 +87,23 @@ def _estimate_cases() -> dict:
     return {case.name: predict(case) for case in CASES}
 
 
+def _rooted(value):
+    """``value`` with the checkout's path written ``<root>``, so the table holds on any checkout."""
+    if isinstance(value, str):
+        return value.replace(str(ROOT), "<root>")
+    if isinstance(value, dict):
+        return {key: _rooted(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rooted(item) for item in value]
+    return value
+
+
 def table() -> dict:
     """The planner's answers on every case (about three minutes on 2 cores)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {"estimates": _estimate_cases(), "searches": {**_hf_searches(), **_config_searches(),
-                                                              **_module_searches()}}
+        return _rooted({"estimates": _estimate_cases(), "searches": {**_hf_searches(), **_config_searches(),
+                                                                      **_module_searches()}})
 
 
 if __name__ == "__main__":
