@@ -44,9 +44,45 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from lightning_memkit.measure.allocator_peak import excluded_range
 from lightning_memkit.measure.storage import has_storage, iter_op_tensors, storage_key, storage_of
 
-__all__ = ["LivePeak", "DeviceBytes", "note_storage_resized", "unmeasured"]
+__all__ = ["HOST", "LivePeak", "DeviceBytes", "host_memory", "note_host", "note_storage_resized", "unmeasured"]
 
+HOST = "host"  # the key of the bytes offloaded to host memory (pinned or not), counted apart from every device
 _ACTIVE: list[LivePeak] = []  # trackers currently inside their block, innermost last
+_STATE = threading.local()  # .host: the CPU storages created now are host memory (inside host_memory())
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """CPU storages created inside the block are host memory: trackers count them under :data:`HOST`, apart from
+    the device bytes (``peak_bytes``), as offloading moves bytes rather than hiding them.
+
+    Example (a 4 KiB copy offloaded from a "device" that is the CPU itself)::
+
+        >>> import torch
+        >>> with LivePeak() as lp:
+        ...     on_device = torch.ones(1024)
+        ...     with host_memory():
+        ...         on_host = on_device.to("cpu", copy=True)
+        ...     del on_device
+        >>> lp.live_bytes, lp.host_live_bytes, lp.host_peak_bytes, lp.peak_bytes
+        (0, 4096, 4096, 4096)
+    """
+    before = getattr(_STATE, "host", False)
+    _STATE.host = True
+    try:
+        yield
+    finally:
+        _STATE.host = before
+
+
+def note_host(t: torch.Tensor) -> None:
+    """Tell the active trackers that ``t``'s storage (made outside :func:`host_memory`) is host memory now."""
+    for tracker in list(_ACTIVE):
+        tracker._to_host(t)
+
+
+def _device_key(t: torch.Tensor) -> str:
+    return HOST if t.device.type == "cpu" and getattr(_STATE, "host", False) else str(t.device)
 
 
 def note_storage_resized(t: torch.Tensor) -> None:
@@ -66,17 +102,19 @@ def unmeasured() -> Iterator[None]:
     does not see the block's peak either, and an open CPU
     :class:`~lightning_memkit.measure.allocator_peak.AllocatorPeak` skips the block's peaks in the same way.
     """
-    saved = [(t, t.peak_bytes, {d: b.peak for d, b in t.by_device.items()}, t.on_change) for t in _ACTIVE]
+    saved = [(t, t.peak_bytes, t.host_peak_bytes, {d: b.peak for d, b in t.by_device.items()}, t.on_change)
+             for t in _ACTIVE]
     for tracker in _ACTIVE:
         tracker.on_change = None  # a timeline sampler skips the block too
     try:
         with excluded_range():  # the same for the open CPU AllocatorPeak counters
             yield
     finally:
-        for tracker, peak, by_device, on_change in saved:
+        for tracker, peak, host_peak, by_device, on_change in saved:
             with tracker._lock:
                 tracker.on_change = on_change
                 tracker.peak_bytes = max(peak, tracker.live_bytes)
+                tracker.host_peak_bytes = max(host_peak, tracker.host_live_bytes)
                 for name, d in tracker.by_device.items():
                     d.peak = max(by_device.get(name, 0), d.live)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -164,7 +202,10 @@ class LivePeak:
     Attributes (readable inside and after the block):
         peak_bytes: the highest total of live bytes seen (all devices together).
         live_bytes: bytes of storages created in the block and still alive now.
-        by_device: ``{"cpu": DeviceBytes(live, peak), "cuda:0": ...}``.
+        by_device: ``{"cpu": DeviceBytes(live, peak), "cuda:0": ...}``; offloaded bytes (:func:`host_memory`,
+            :func:`note_host`) under ``"host"``.
+        host_live_bytes, host_peak_bytes: the bytes in host memory (offloaded), live now and at their highest;
+            never part of ``live_bytes`` and ``peak_bytes``, which count device bytes.
         cuda_peak_delta: on CUDA, ``max_memory_allocated`` during the block minus the bytes allocated
             at entry, per device (``None`` elsewhere); a cross-check that includes kernel workspaces.
         on_change: optional callable ``(device, live_bytes_on_device)`` called after every change of the
@@ -186,6 +227,8 @@ class LivePeak:
         self.by_device: dict[str, DeviceBytes] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
         self.cuda_peak_delta: dict[str, int] | None = None
         self.on_change: Callable[[str, int], None] | None = None
         self._counts_fake = False
@@ -272,6 +315,7 @@ class LivePeak:
         """Start a new high-water mark from the bytes alive now."""
         with self._lock:
             self.peak_bytes = self.live_bytes
+            self.host_peak_bytes = self.host_live_bytes
             for d in self.by_device.values():
                 d.peak = d.live
 
@@ -295,7 +339,7 @@ class LivePeak:
     def _add(self, t: torch.Tensor, key: int) -> None:
         storage = storage_of(t)
         nbytes = storage.nbytes()
-        device = str(t.device)
+        device = _device_key(t)
         tag = self._tag() if self._tag is not None else None
         ref = weakref.ref(storage, lambda _r, key=key: self._remove(key))
         with self._lock:
@@ -319,11 +363,24 @@ class LivePeak:
             delta, entry.nbytes = nbytes - entry.nbytes, nbytes
             self._change(entry.device, delta)
 
+    def _to_host(self, t: torch.Tensor) -> None:
+        with self._lock:
+            entry = self._entries.get(storage_key(t)) if has_storage(t) else None
+            if entry is None or entry.device == HOST:
+                return
+            self._change(entry.device, -entry.nbytes)
+            entry.device = HOST
+            self._change(HOST, entry.nbytes)
+
     def _change(self, device: str, delta: int) -> None:
         d = self.by_device.setdefault(device, DeviceBytes())
         d.live += delta
         d.peak = max(d.peak, d.live)
-        self.live_bytes += delta
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if device == HOST:
+            self.host_live_bytes += delta
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+        else:
+            self.live_bytes += delta
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         if self.on_change is not None:
             self.on_change(device, d.live)

@@ -106,3 +106,37 @@ def test_out_of_order_exit_keeps_inner_tracker_counting():
     c = torch.empty(10)  # nobody counts any more
     assert inner.live_bytes == 600
     del a, b, c
+
+
+def test_host_bytes_are_counted_apart_from_the_device_bytes():
+    from lightning_memkit.measure.live_peak import HOST, host_memory, note_host
+
+    with LivePeak() as lp:
+        a = torch.empty(1024)  # 4 KiB on the device (here the CPU)
+        with host_memory():
+            h = torch.empty(512)  # 2 KiB made as host memory
+        b = torch.empty(256)  # 1 KiB, moved to the host after it was made
+        note_host(b)
+        note_host(b)  # once only
+        assert (lp.live_bytes, lp.host_live_bytes) == (4096, 3072)
+        del a
+        assert lp.by_device[HOST].live == 3072 and lp.by_device["cpu"].live == 0
+        del h, b
+    # the device peak counts b while it was on the device: 4 KiB + 1 KiB
+    assert (lp.peak_bytes, lp.host_peak_bytes, lp.live_bytes, lp.host_live_bytes) == (5120, 3072, 0, 0)
+
+
+def test_host_memory_outside_a_tracker_and_unmeasured_blocks():
+    from lightning_memkit.measure.live_peak import host_memory, unmeasured
+
+    with host_memory():
+        pass  # no tracker: nothing to do
+    with LivePeak() as lp:
+        with unmeasured(), host_memory():
+            t = torch.empty(1024)
+            del t
+        assert lp.host_peak_bytes == 0 and lp.peak_bytes == 0
+        with unmeasured(), host_memory():
+            kept = torch.empty(1024)  # alive after the block: counted from there on
+        assert (lp.host_peak_bytes, lp.host_live_bytes, lp.peak_bytes) == (4096, 4096, 0)
+        del kept
