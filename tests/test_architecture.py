@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_memkit"
-CORE = ("ops", "measure", "release", "recompute", "loading", "pipeline", "memory", "common")
+CORE = ("ops", "measure", "release", "recompute", "loading", "pipeline", "memory", "common", "offload", "optim")
 FOLDERS = ("callbacks", "cli", "common", "config", "demo", "estimate", "finetune", "hf", "loading", "measure", "memory",
-           "ops", "pipeline", "plugins", "recompute", "release", "strategies")
+           "offload", "optim", "ops", "pipeline", "plugins", "recompute", "release", "strategies")
 
 
 def module_name(path: Path) -> str:
