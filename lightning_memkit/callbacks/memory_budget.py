@@ -566,7 +566,7 @@ def check_budget(budget: Any) -> int | float:
             raise ValueError(f"{_OWNER}(budget={budget}): a float is a fraction of the device's memory, in (0, 1]")
         return budget
     if isinstance(budget, (int, str)):
-        from lightning_memkit.estimate.plans import parse_bytes
+        from lightning_memkit.common.sizes import parse_bytes
 
         try:
             return parse_bytes(budget)

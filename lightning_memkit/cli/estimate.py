@@ -117,7 +117,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _check_budget(args: argparse.Namespace) -> None:
-    from lightning_memkit.estimate.plans import parse_bytes
+    from lightning_memkit.common.sizes import parse_bytes
 
     if args.budget is None:
         for key in ("margin", "max_plans", "max_estimates"):

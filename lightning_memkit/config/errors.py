@@ -13,31 +13,11 @@ import os
 import re
 from typing import Any
 
+from lightning_memkit.common.errors import ConfigError, class_name
+
 __all__ = ["CONSTRUCTION_ERRORS",  # noqa: F822 (module __getattr__: it imports Lightning)
            "LEAF_SPEC_WARNING", "ConfigError", "check_config_syntax", "class_name", "describe_config_error",
            "describe_yaml_error"]
-
-
-class ConfigError(ValueError):
-    """A bad value in a ``memkit`` configuration; the message names the key and what is allowed.
-
-    Example::
-
-        >>> from lightning_memkit.config.errors import ConfigError, describe_config_error
-        >>> try:
-        ...     raise ValueError("TinyLM(n_layers=-1): must be an int >= 1")
-        ... except ValueError as err:
-        ...     print(describe_config_error(err, {"model": {"class_path": "lightning_memkit.demo.TinyLM"}}))
-        model.init_args.n_layers: TinyLM(n_layers=-1): must be an int >= 1
-        >>> issubclass(ConfigError, ValueError)
-        True
-
-    ``hint=False``: ``memkit`` prints the message alone, without the line pointing to ``--help``.
-    """
-
-    def __init__(self, message: str, *, hint: bool = True) -> None:
-        super().__init__(message)
-        self.hint = hint
 
 
 def __getattr__(name: str) -> Any:
@@ -224,13 +204,3 @@ def describe_yaml_error(path: str, err: Any) -> str:
 def _at(mark: Any) -> str:
     """`` at line L, column C`` (1-based) of a yaml ``Mark``; empty for ``None``."""
     return "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
-
-
-def class_name(entry: Any) -> str:
-    """The class name of a config entry (``{"class_path": "a.b.C", ...}``, ``"a.b.C"`` or ``None``).
-
-    >>> class_name({"class_path": "lightning_memkit.callbacks.ActivationCheckpointing"}), class_name(None)
-    ('ActivationCheckpointing', '')
-    """
-    path = entry.get("class_path", "") if isinstance(entry, dict) else str(entry or "")
-    return path.rpartition(".")[2]

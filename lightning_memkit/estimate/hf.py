@@ -88,7 +88,7 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
     """
     check_choices(precision=precision, optimizer=optimizer, device=device)
     if compose not in (True, False, "auto"):
-        from lightning_memkit.config.errors import ConfigError
+        from lightning_memkit.common.errors import ConfigError
 
         raise ConfigError(f"compose: {compose!r} is not one of True, False, 'auto'")
     mode = checkpoint_mode(activation_checkpointing)
@@ -163,7 +163,7 @@ def _token_batch(vocab: int, seq_len: int, rows: int) -> Any:
 
 def checkpoint_mode(activation_checkpointing: bool | str | None) -> str | None:
     """``"full"``, ``"selective"`` or ``None`` (off) from ``True``/``False``/a mode name."""
-    from lightning_memkit.config.errors import ConfigError
+    from lightning_memkit.common.errors import ConfigError
 
     if activation_checkpointing in (None, False):
         return None
@@ -184,7 +184,7 @@ def plugin_dtype(precision: str) -> torch.dtype:
 def qlora_plugin(name: str | None, precision: str, lora_rank: int = DEFAULT_LORA_RANK) -> Any:
     """The :class:`~lightning_memkit.plugins.NoSaveBitsandbytesPrecision` that ``--plugin name`` stands for:
     ``name`` without ``-lora`` as its mode, ``precision``'s dtype, LoRA adapters of ``lora_rank``."""
-    from lightning_memkit.config.errors import ConfigError
+    from lightning_memkit.common.errors import ConfigError
 
     if name is None:
         return None
@@ -314,7 +314,7 @@ def hf_patches(activation_checkpointing: bool, fused_loss: bool) -> list[Any]:
 def fused_linear_cross_entropy_inside(module: torch.nn.Module) -> Any:
     """:func:`~lightning_memkit.hf.fused_linear_cross_entropy` on the causal LMs the ``FusedLinearCrossEntropy``
     callback would patch in ``module`` (its ``find_causal_lms``: itself, or those a LightningModule holds)."""
-    from lightning_memkit.config.errors import ConfigError
+    from lightning_memkit.common.errors import ConfigError
     from lightning_memkit.hf import fused_linear_cross_entropy
     from lightning_memkit.hf.fused_loss import find_causal_lms
 
@@ -360,7 +360,7 @@ def fused_linear_cross_entropy_inside(module: torch.nn.Module) -> Any:
 
 def check_choices(**values: Any) -> None:
     """``precision=``, ``optimizer=``, ``device=``: each one that ``memkit estimate`` estimates, or ``ConfigError``."""
-    from lightning_memkit.config.errors import ConfigError
+    from lightning_memkit.common.errors import ConfigError
 
     allowed = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "device": TARGETS}
     for key, value in values.items():

@@ -60,7 +60,7 @@ class InputWarning(UserWarning):
 
 def input_error(message: str) -> ValueError:
     """The :class:`~lightning_memkit.config.errors.ConfigError` of a bad input: ``memkit`` prints its one line alone."""
-    from lightning_memkit.config.errors import ConfigError
+    from lightning_memkit.common.errors import ConfigError
 
     return ConfigError(message, hint=False)
 

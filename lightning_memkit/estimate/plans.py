@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_memkit.common.sizes import parse_bytes
 from lightning_memkit.estimate.step import MemoryEstimate
 from lightning_memkit.measure.storage import format_bytes
 
@@ -52,29 +53,6 @@ MACHINE_BALANCE = 300  # FLOPs per byte of memory traffic (H100 SXM: ~989 TFLOP/
 _CHECKPOINT_STRENGTH = {None: 0, "selective": 1, "full": 2}
 _PRECISION_STRENGTH = {"32-true": 0, "32": 0, "bf16-mixed": 0, "bf16-true": 1, "16-true": 1}
 _PLUGIN_STRENGTH = {None: 0, "int8-lora": 0, "nf4-lora": 1, "fp4-lora": 1, "nf4-dq-lora": 2, "fp4-dq-lora": 2}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """``"24GiB"``, ``"80 GB"``, ``"512MiB"`` or a plain number of bytes, as an int.
-
-    Example::
-
-        >>> parse_bytes("24GiB"), parse_bytes("1.5 GB"), parse_bytes(4096)
-        (25769803776, 1500000000, 4096)
-    """
-    from lightning_memkit.config.errors import ConfigError
-
-    if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        s = str(text).strip().lower().replace(" ", "")
-        digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        value, unit = (float(digits) if digits else math.nan), s[len(digits):]
-    if unit not in _UNITS or not value > 0 or math.isinf(value):
-        raise ConfigError(f"{text!r} is not a positive size; write e.g. 24GiB, 80GB, 512MiB or bytes")
-    return int(value * _UNITS[unit])
 
 
 @dataclass(frozen=True)
@@ -278,7 +256,7 @@ class ConfigRun:
     """A memkit / LightningCLI config as ``memkit estimate --config`` runs it; plans edit its parsed keys."""
 
     def __init__(self, config: str | Path, overrides: list[str] | tuple[str, ...] = ()):
-        from lightning_memkit.config.errors import ConfigError
+        from lightning_memkit.common.errors import ConfigError
         from lightning_memkit.config.lightning_cli import parse_config
         from lightning_memkit.estimate.config import config_features as config_features
 
@@ -313,7 +291,7 @@ class ConfigRun:
         parsed = copy.deepcopy(self.parsed)
         trainer = parsed.setdefault("trainer", {})
 
-        from lightning_memkit.config.errors import class_name
+        from lightning_memkit.common.errors import class_name
 
         own = ("ActivationCheckpointing", "FusedLinearCrossEntropy")
         callbacks = trainer.get("callbacks") or []
