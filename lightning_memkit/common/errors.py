@@ -1,11 +1,8 @@
-"""Errors every floor raises: :class:`ConfigError` (a bad configuration value, in one line) and the class name of a
-config entry."""
+"""The error every floor raises for a bad configuration value, in one line: :class:`ConfigError`."""
 
 from __future__ import annotations
 
-from typing import Any
-
-__all__ = ["ConfigError", "class_name"]
+__all__ = ["ConfigError"]
 
 
 class ConfigError(ValueError):
@@ -26,14 +23,3 @@ class ConfigError(ValueError):
     def __init__(self, message: str, *, hint: bool = True) -> None:
         super().__init__(message)
         self.hint = hint
-
-
-def class_name(entry: Any) -> str:
-    """The class name of a config entry (``{"class_path": "a.b.C", ...}``, ``"a.b.C"`` or ``None``).
-
-    >>> from lightning_memkit.common.errors import class_name
-    >>> class_name({"class_path": "lightning_memkit.callbacks.ActivationCheckpointing"}), class_name(None)
-    ('ActivationCheckpointing', '')
-    """
-    path = entry.get("class_path", "") if isinstance(entry, dict) else str(entry or "")
-    return path.rpartition(".")[2]

@@ -8,12 +8,12 @@ one or two lines and exits with status 2.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from typing import Any
 
-from lightning_memkit.common.errors import ConfigError, class_name
+from lightning_memkit.common.class_paths import class_name, import_object, instantiate
+from lightning_memkit.common.errors import ConfigError
 
 __all__ = ["CONSTRUCTION_ERRORS",  # noqa: F822 (module __getattr__: it imports Lightning)
            "LEAF_SPEC_WARNING", "ConfigError", "check_config_syntax", "class_name", "describe_config_error",
@@ -70,9 +70,8 @@ def _init_args(class_path: str) -> list[str]:
     """Names of the ``__init__`` arguments of ``class_path`` (empty where it cannot be imported)."""
     import inspect
 
-    module, _, name = class_path.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module), name)
+        cls = import_object(class_path)
         params = inspect.signature(cls.__init__).parameters.values()
     except Exception:  # noqa: BLE001 - only a hint in an error message
         return []
@@ -142,9 +141,8 @@ def failing_entry(config: Any) -> str | None:
     (they are cheap to construct, unlike the model and the data); ``None`` when all construct."""
     for section in ("plugins", "callbacks"):
         for i, entry in trainer_entries(config, section):
-            module, _, name = entry["class_path"].rpartition(".")
             try:
-                getattr(importlib.import_module(module), name)(**(entry.get("init_args") or {}))
+                instantiate(entry)
             except Exception as err:  # noqa: BLE001 - the error being described
                 message = _root_message(err)
                 owner = _OWNER.match(message)

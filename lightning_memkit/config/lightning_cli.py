@@ -13,7 +13,6 @@ and :func:`instantiate` builds one of its ``class_path`` entries.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import sys
 import warnings
@@ -28,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
+from lightning_memkit.common.class_paths import instantiate
 from lightning_memkit.common.step_output import training_loss
 from lightning_memkit.common.validation import check_int
 from lightning_memkit.config.errors import (
@@ -342,11 +342,6 @@ def parse_config(config: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
         cli = _ParseOnly(args=["--config", str(config), *overrides], run=False)
     return yaml.safe_load(cli.parser.dump(cli.config, skip_none=False))
 
-
-def instantiate(entry: dict[str, Any]) -> Any:
-    """The object a parsed config entry describes: ``class_path`` called with ``init_args``."""
-    module, _, name = entry["class_path"].rpartition(".")
-    return getattr(importlib.import_module(module), name)(**(entry.get("init_args") or {}))
 
 _KNOWN_NOISE = (
     r"LightningCLI's args parameter is intended",  # a caller passes its own args; sys.argv holds memkit's

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_memkit.common.errors import ConfigError, class_name
+from lightning_memkit.common.class_paths import class_name
+from lightning_memkit.common.errors import ConfigError
 from lightning_memkit.config.lightning_cli import instantiate, parse_config
 from lightning_memkit.estimate.hf import hf_patches
 from lightning_memkit.estimate.step import (

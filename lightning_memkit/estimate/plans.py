@@ -291,7 +291,7 @@ class ConfigRun:
         parsed = copy.deepcopy(self.parsed)
         trainer = parsed.setdefault("trainer", {})
 
-        from lightning_memkit.common.errors import class_name
+        from lightning_memkit.common.class_paths import class_name
 
         own = ("ActivationCheckpointing", "FusedLinearCrossEntropy")
         callbacks = trainer.get("callbacks") or []
