@@ -20,7 +20,6 @@ YAML (LightningCLI; ``memkit fit --budget 24GiB`` adds it)::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,9 @@ from lightning_memkit.common.batches import (
     longest_batch,
     rng_untouched,
 )
+from lightning_memkit.common.class_paths import import_object
 from lightning_memkit.common.validation import check_int, check_number
+from lightning_memkit.estimate.levers import LEVERS, Plan, TrainerEdit, find_callback, lever
 from lightning_memkit.measure.compiled import runs_compiled
 from lightning_memkit.measure.live_peak import LivePeak, unmeasured
 from lightning_memkit.measure.storage import format_bytes
@@ -49,9 +50,7 @@ __all__ = ["MemoryBudget", "NoPlanFits", "Replan", "check_budget"]
 
 _OWNER = "MemoryBudget"
 DEFAULT_ALLOW = ("recompute", "fused_loss", "micro_batch")
-_BETWEEN_STEPS = ("recompute", "fused_loss", "micro_batch")  # what a re-plan during the run may change
 _WARMUP_STEPS = 2  # optimizer steps measured on CPU whatever their batch (the optimizer state appears in the first)
-_FEATURES = ("ActivationCheckpointing", "FusedLinearCrossEntropy")  # the callbacks a plan adds or strengthens
 
 
 @dataclass
@@ -202,7 +201,7 @@ class MemoryBudget(Callback):
             with rng_untouched(trainer.strategy.root_device):
                 batch = self._from_loader(trainer.train_dataloader)
             with self._features_off(trainer, pl_module):
-                self._plan(trainer, pl_module, batch, [a for a in self.allow if a in _BETWEEN_STEPS], late=True)
+                self._plan(trainer, pl_module, batch, _between_steps(self.allow), late=True)
         self._resume_plan(trainer, pl_module)
         self._cpu_watch = not runs_compiled(pl_module)
         if not self._cpu_watch and trainer.strategy.root_device.type == "cpu":
@@ -213,7 +212,7 @@ class MemoryBudget(Callback):
         """The Trainer's ``MicroBatchSplit`` (one is added if it has none), set to recover with this budget."""
         from lightning_memkit.callbacks.micro_batch_split import MicroBatchSplit
 
-        split = _find(trainer, "MicroBatchSplit")
+        split = find_callback(trainer, lever("micro_batch").callback)
         if split is None:
             split = MicroBatchSplit()
             trainer.callbacks.append(split)  # Lightning's hook loops reach callbacks appended during them
@@ -263,7 +262,7 @@ class MemoryBudget(Callback):
         """The plan the run trains with (re-plans included) and the bytes the estimate missed, for a resume."""
         if self.plan is None or self._pipeline:
             return {}
-        return {"plan": dataclasses.asdict(self.plan.plan), "missed_bytes": int(self._missed)}
+        return {"plan": self.plan.plan.to_dict(), "missed_bytes": int(self._missed)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict.get("plan")
@@ -272,19 +271,19 @@ class MemoryBudget(Callback):
     def _resume_plan(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resume with the plan of the checkpoint where a re-plan made it stronger than the one planned at setup,
         instead of running into the same steps' memory again."""
-        from lightning_memkit.estimate.plans import Plan, PlanResult
+        from lightning_memkit.estimate.plans import PlanResult
 
         restored, self._restored = self._restored, None
         if restored is None or self.plan is None or self._batch is None:
             return
-        plan = Plan(**restored)
+        plan = Plan.from_dict(restored)
         if plan == self.plan.plan:
             return
         if not self.plan.plan.at_most(plan):
             rank_zero_warn(f"{_OWNER}: the checkpoint was trained with a weaker plan ({plan}) than the one planned "
                            "now; the plan planned now is kept")
             return
-        allow = [a for a in self.allow if a in _BETWEEN_STEPS]
+        allow = _between_steps(self.allow)
         before = len(self.changes)
         with self._features_off(trainer, pl_module), unmeasured():
             run = self._run(trainer, pl_module, self._batch, allow)
@@ -326,17 +325,19 @@ class MemoryBudget(Callback):
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str]) -> Any:
         from lightning_memkit.estimate.module import ModuleRun
 
-        ac, fused = _find(trainer, "ActivationCheckpointing"), _find(trainer, "FusedLinearCrossEntropy")
-        checkpoint = None if ac is None else ("selective" if ac.selective else "full")
+        ac = find_callback(trainer, lever("recompute").callback)
         if "micro_batch" in allow and (why := _no_split(pl_module, batch)):
             _say(f"{_OWNER}: the micro-batch axis is off: {why}")
             allow = [a for a in allow if a != "micro_batch"]
-        plugin = trainer.precision_plugin if type(trainer.precision_plugin).__name__ == (
-            "NoSaveBitsandbytesPrecision") else None
-        return ModuleRun(pl_module, batch, micro_batch=self._split.max_rows, precision=_precision(trainer),
-                         checkpoint=checkpoint, policy="auto" if ac is None else ac.policy,
-                         fused_loss=fused is not None, accumulate=int(trainer.accumulate_grad_batches),
-                         allow=allow, plugin=plugin, target=trainer.strategy.root_device.type, keep=(trainer,))
+        plugin = trainer.precision_plugin
+        plugin = plugin if isinstance(plugin, import_object(lever("quantization").plugin)) else None
+        return ModuleRun(pl_module, batch, micro_batch=self._split.max_rows,
+                         precision=lever("precision").read_trainer(trainer),
+                         checkpoint=lever("recompute").read_trainer(trainer),
+                         policy="auto" if ac is None else ac.policy,
+                         fused_loss=lever("fused_loss").read_trainer(trainer),
+                         accumulate=int(trainer.accumulate_grad_batches), allow=allow, plugin=plugin,
+                         target=trainer.strategy.root_device.type, keep=(trainer,))
 
     def _nothing_fits(self, run: Any, budget: int) -> NoPlanFits:
         strongest = _strongest(run)
@@ -350,42 +351,17 @@ class MemoryBudget(Callback):
             "Raise the budget, allow more axes (e.g. 'precision'), or shorten the batch or the sequences")
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, run: Any, late: bool) -> None:
-        """Make the Trainer run ``self.plan``; callbacks added late get the hooks that already ran."""
+        """Make the Trainer run ``self.plan``, lever by lever; callbacks added late get the hooks that already ran."""
         plan, base = self.plan.plan, run.base
-        added = []
-        if plan.precision != base.precision:
-            from lightning.pytorch.plugins.precision import HalfPrecision
-
-            trainer.strategy.precision_plugin = HalfPrecision(plan.precision)
-            self._change(f"precision {plan.precision}")
-        if plan.checkpoint != base.checkpoint:
-            added += self._recompute(trainer, plan.checkpoint)
-        if plan.fused_loss and not base.fused_loss:
-            from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
-
-            added.append(FusedLinearCrossEntropy())
-            self._change("fused cross-entropy (FusedLinearCrossEntropy)")
-        if plan.micro_batch != base.micro_batch:
-            rows = run.batch_size
-            self._split.max_rows = plan.micro_batch if plan.micro_batch < rows else None
-            self._change(f"micro-batches of at most {plan.micro_batch} rows inside the step "
-                         f"({-(-rows // plan.micro_batch)} per batch of {rows} rows; the same samples per optimizer "
-                         "step) (MicroBatchSplit)")
-        for callback in added:
+        edit = TrainerEdit(trainer, run, self._split, lambda line: _say(f"{_OWNER}: {line}"))
+        for x in LEVERS:
+            if plan[x.name] != base[x.name]:
+                x.apply(plan[x.name], base[x.name], edit)
+        self.changes += edit.changes
+        for callback in edit.added:
             trainer.callbacks.append(callback)  # Lightning's hook loops reach callbacks appended during them
             if late:
                 callback.setup(trainer, pl_module, "fit")
-
-    def _recompute(self, trainer: Trainer, mode: str | None) -> list[Any]:
-        from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
-
-        ac = _find(trainer, "ActivationCheckpointing")
-        self._change(f"{mode} activation checkpointing (ActivationCheckpointing"
-                     f"{'' if ac is None else ', its policy kept'})")
-        if ac is None:
-            return [ActivationCheckpointing(selective=mode == "selective")]
-        ac.selective = mode == "selective"
-        return []
 
     def _change(self, line: str) -> None:
         self.changes.append(line)
@@ -396,14 +372,14 @@ class MemoryBudget(Callback):
     def _features_off(self, trainer: Trainer, pl_module: LightningModule) -> Iterator[None]:
         """The module as built for the block (the features' wrappers and hooks off, to copy it on fake tensors),
         then every feature on the Trainer applied again, as set now."""
-        features = [c for c in trainer.callbacks if type(c).__name__ in _FEATURES]
+        features = [c for c in trainer.callbacks if isinstance(c, _module_wrappers())]
         with self._split.suspended():
             for callback in features:
                 callback.teardown(trainer, pl_module, "fit")
             try:
                 yield
             finally:
-                for callback in [c for c in trainer.callbacks if type(c).__name__ in _FEATURES]:
+                for callback in [c for c in trainer.callbacks if isinstance(c, _module_wrappers())]:
                     callback.on_fit_start(trainer, pl_module)
 
     def _replan(self, trainer: Trainer, pl_module: LightningModule, batch: Any, measured: int | None,
@@ -412,7 +388,7 @@ class MemoryBudget(Callback):
         measured peak (the bytes the estimate missed are counted from it), ``None`` after an out-of-memory error (a
         plan predicting at most three quarters of the current one, the strongest if none does). Returns what
         changed, or ``None`` when nothing stronger is left."""
-        allow = [a for a in self.allow if a in _BETWEEN_STEPS]
+        allow = _between_steps(self.allow)
         with self._features_off(trainer, pl_module), unmeasured():
             run = self._run(trainer, pl_module, batch, allow)
             now = run.estimate(run.base).peak_bytes
@@ -581,13 +557,14 @@ def _say(line: str) -> None:
     rank_zero_info(line)
 
 
-def _find(trainer: Trainer, name: str) -> Any:
-    return next((c for c in trainer.callbacks if type(c).__name__ == name), None)
+def _between_steps(allow: Sequence[str]) -> list[str]:
+    """The levers of ``allow`` a re-plan during the run may change."""
+    return [a for a in allow if lever(a).between_steps]
 
 
-def _precision(trainer: Trainer) -> str:
-    precision = str(trainer.precision)
-    return {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(precision, precision)
+def _module_wrappers() -> tuple[type, ...]:
+    """The callbacks of the levers that wrap the module (off while it is copied for an estimate)."""
+    return tuple(import_object(x.callback) for x in LEVERS if x.wraps_module)
 
 
 def _strongest(run: Any) -> Any:

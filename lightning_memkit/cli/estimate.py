@@ -217,7 +217,9 @@ def _input_warnings_on_stderr() -> Iterator[None]:
 def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     """``--budget``: the plan search, with a line per estimate on stderr."""
 
-    from lightning_memkit.estimate.plans import ConfigRun, HFRun, search_plans
+    from lightning_memkit.estimate.config_run import ConfigRun
+    from lightning_memkit.estimate.hf_run import HFRun
+    from lightning_memkit.estimate.plans import search_plans
 
     if args.hf_config is not None:
         run = HFRun(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,

@@ -4,7 +4,7 @@
 (Lightning's CLI, with the memory report after ``fit``); ``memkit compare`` is
 :func:`lightning_memkit.cli.compare.main`, ``memkit estimate`` :func:`lightning_memkit.cli.estimate.main`.
 
-A bad configuration value is a :class:`~lightning_memkit.config.errors.ConfigError`: ``memkit`` prints it on
+A bad configuration value is a :class:`~lightning_memkit.common.errors.ConfigError`: ``memkit`` prints it on
 one or two lines, naming the key and what is allowed, and exits with status 2; so do a ``--config`` file that
 is not YAML (one line naming the file, line and column) and an unknown subcommand (one line listing them).
 ``--debug`` (anywhere on the command line) or the environment variable ``MEMKIT_DEBUG=1`` shows the full

@@ -13,7 +13,8 @@ _HOMES = {
     "MemoryEstimate": ".step", "PhaseEstimate": ".step", "estimate_training_memory": ".step",
     "estimate_from_hf_config": ".hf", "estimate_hf_pipeline": ".hf", "PipelineEstimate": ".hf",
     "estimate_from_config": ".config", "estimate_parsed_config": ".config",
-    "search_plans": ".plans", "HFRun": ".plans", "ConfigRun": ".plans", "Plan": ".plans", "parse_bytes": ".plans",
+    "search_plans": ".plans", "HFRun": ".hf_run", "ConfigRun": ".config_run", "ModuleRun": ".module",
+    "Plan": ".levers", "LEVERS": ".levers", "Lever": ".levers", "Run": ".runs",
     "InputWarning": ".inputs", "read_hf_config": ".inputs",
 }
 __all__ = sorted(_HOMES)

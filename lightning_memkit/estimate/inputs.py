@@ -9,7 +9,7 @@ sizes, layers, attention and key/value heads, ``head_dim``, experts) and ``max_p
 them (or the config class requires it), ``num_key_value_heads`` divides ``num_attention_heads`` and
 ``num_experts_per_tok`` is at most the number of experts. :func:`check_positions` refuses a ``--seq-len`` above
 ``max_position_embeddings``; :func:`check_pipeline` and :func:`check_pipeline_family` check ``--pipeline``.
-A failure is one line naming the key or flag and what is allowed: a :class:`~lightning_memkit.config.errors.ConfigError`
+A failure is one line naming the key or flag and what is allowed: a :class:`~lightning_memkit.common.errors.ConfigError`
 (a ``ValueError``), which ``memkit`` prints alone, exiting with status 2.
 
 What is used as given but is probably not meant is an :class:`InputWarning` of one line (``memkit estimate``
@@ -24,7 +24,7 @@ Example::
     >>> check_tokens(50_000_000, 64)
     Traceback (most recent call last):
     ...
-    lightning_memkit.config.errors.ConfigError: --batch-size 64 x --seq-len 50000000 = 3200000000 tokens per batch: ...
+    lightning_memkit.common.errors.ConfigError: --batch-size 64 x --seq-len 50000000 = 3200000000 tokens per batch: ...
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class InputWarning(UserWarning):
 
 
 def input_error(message: str) -> ValueError:
-    """The :class:`~lightning_memkit.config.errors.ConfigError` of a bad input: ``memkit`` prints its one line alone."""
+    """The :class:`~lightning_memkit.common.errors.ConfigError` of a bad input: ``memkit`` prints its one line alone."""
     from lightning_memkit.common.errors import ConfigError
 
     return ConfigError(message, hint=False)

@@ -31,16 +31,16 @@ Example (a two-layer MLP whose ``training_step`` is the loss; plans for 70% of i
 from __future__ import annotations
 
 import copy
-import itertools
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_memkit.common.batches import batch_rows, batch_tensors, chunk_rows, micro_batch
-from lightning_memkit.estimate.plans import Plan, stronger_checkpoints, stronger_precisions
+from lightning_memkit.estimate.levers import Plan
+from lightning_memkit.estimate.runs import LeverRun
 from lightning_memkit.estimate.step import (
     PRECISIONS,
     MemoryEstimate,
@@ -85,7 +85,7 @@ def _like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-class ModuleRun:
+class ModuleRun(LeverRun):
     """A module as built, trained on batches like ``batch``, as :func:`search_plans` plans it.
 
     The axes a plan may change are ``allow``'s: ``"recompute"`` (none, selective or full activation
@@ -124,26 +124,16 @@ class ModuleRun:
         self.batch_size = batch_rows(batch) or 0
         split = min(micro_batch or self.batch_size, self.batch_size)
         self.has_causal_lm = fused_loss or _has_causal_lm(module)
-        self.base = Plan(precision, None, checkpoint, bool(fused_loss), split)
-
-    def axes(self) -> Iterator[Plan]:
-        b = self.base
-        precisions = (stronger_precisions(b.precision) if "precision" in self.allow and self.plugin is None
-                      else [b.precision])
-        checkpoints = stronger_checkpoints(b.checkpoint) if "recompute" in self.allow else [b.checkpoint]
-        fused = sorted({b.fused_loss, "fused_loss" in self.allow and self.has_causal_lm})
-        splits = _halvings(b.micro_batch) if "micro_batch" in self.allow and b.micro_batch else [b.micro_batch]
-        for values in itertools.product(precisions, [None], checkpoints, fused, splits):
-            yield Plan(*values)
-
-    def pipelines(self) -> Iterator[Plan]:
-        return iter(())
+        self.precision_fixed = plugin is not None
+        self.splits_inside_step = True
+        self.base = Plan(precision=precision, recompute=checkpoint, fused_loss=bool(fused_loss), micro_batch=split)
 
     def estimate(self, plan: Plan) -> MemoryEstimate:
         """The predicted step of the module with ``plan`` applied."""
         from lightning_memkit.estimate.hf import hf_patches
 
-        rows = plan.micro_batch or self.batch_size
+        spec = self.step_spec(plan)
+        rows = spec.rows or self.batch_size
         split = rows < self.batch_size
         batch = micro_batch(self.batch, chunk_rows(self.batch_size, rows)[0][1]) if split else self.batch
         accumulating = self.accumulate > 1 or split
@@ -151,39 +141,11 @@ class ModuleRun:
             warnings.simplefilter("ignore")
             return estimate_training_memory(
                 lambda: fake_copy(self.module, self.keep), lambda: batch, loss_fn=step_loss,
-                optimizer=configured_optimizer, precision=plan.precision,
-                checkpoint=self.policy if plan.checkpoint else None, checkpoint_mode=plan.checkpoint or "full",
-                patches=hf_patches(plan.checkpoint is not None and self.has_causal_lm, plan.fused_loss),
+                optimizer=configured_optimizer, precision=spec.precision,
+                checkpoint=self.policy if spec.recompute else None, checkpoint_mode=spec.recompute or "full",
+                patches=hf_patches(spec.recompute is not None and self.has_causal_lm, spec.fused_loss),
                 plugin=self.plugin, zero_grad="accumulate" if accumulating else "after_forward", target=self.target,
                 warmup="synthetic")
-
-    def fragment(self, plan: Plan) -> dict[str, Any]:
-        """The changes of ``plan`` as trainer keys (what ``MemoryBudget`` applies)."""
-        from lightning_memkit.estimate.plans import feature_callbacks
-
-        trainer: dict[str, Any] = {}
-        if plan.precision != self.base.precision:
-            trainer["precision"] = plan.precision
-        callbacks = []
-        if plan.checkpoint != self.base.checkpoint or plan.fused_loss != self.base.fused_loss:
-            callbacks = feature_callbacks(plan, fused_callback=plan.fused_loss)
-        if plan.micro_batch != self.base.micro_batch:
-            callbacks.append({"class_path": "lightning_memkit.callbacks.MicroBatchSplit",
-                              "init_args": {"max_rows": plan.micro_batch}})
-        if callbacks:
-            trainer["callbacks"] = callbacks
-        return {"trainer": trainer}
-
-    def notes(self, plan: Plan) -> list[str]:
-        return []
-
-
-def _halvings(rows: int) -> list[int]:
-    """Micro-batch rows to try: ``rows``, then halved (rounded up) down to 1."""
-    out = [rows]
-    while out[-1] > 1:
-        out.append(-(-out[-1] // 2))
-    return out
 
 
 def _has_causal_lm(module: nn.Module) -> bool:

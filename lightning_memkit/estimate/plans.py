@@ -1,13 +1,13 @@
 """``memkit estimate --budget``: the cheapest feature plans whose predicted training peak fits a memory budget.
 
-A :class:`Plan` is one choice on each axis: precision, quantization mode (only when the run already trains
-LoRA adapters on a quantized model: the LoRA rank is kept, and a full fine-tune is never turned into a LoRA
-one), activation checkpointing (none, selective, full), fused cross-entropy, micro-batch size (the batch
-split into gradient-accumulation steps) and, when no single-device plan fits a Hugging Face config, pipeline
-stages. Every candidate is estimated with :func:`~lightning_memkit.memory.estimate_training_memory` (its
-real step on fake tensors); a candidate weaker than or equal on every axis to one that does not fit is
-skipped without being estimated (each axis only lowers the peak). A plan fits when its predicted peak, plus
-``margin`` of it (the estimator's accuracy goal, 5%), is within the budget.
+A :class:`~lightning_memkit.estimate.levers.plan.Plan` maps each lever of
+:mod:`~lightning_memkit.estimate.levers` (precision, quantization, recompute, fused loss, micro-batch, pipeline
+stages: one module each) to a choice; a run (:class:`~lightning_memkit.estimate.runs.Run`: an HF config, a LightningCLI
+config, a module as built) offers the product of its levers' options. Every candidate is estimated with
+:func:`~lightning_memkit.memory.estimate_training_memory` (its real step on fake tensors); a candidate weaker than or
+equal on every lever to one that does not fit is skipped without being estimated (each lever only lowers the peak).
+A plan fits when its predicted peak, plus ``margin`` of it (the estimator's accuracy goal, 5%), is within the budget.
+This module knows no concrete run.
 
 **Step time model** (a prediction, used for ranking): a step costs its matmul and attention FLOPs (counted by
 :class:`torch.utils.flop_counter.FlopCounterMode` on the fake step, recomputation included) plus
@@ -21,7 +21,8 @@ Example (a one-layer tiny Llama: plans for half of its plain peak, four estimate
 
     >>> import pathlib, tempfile
     >>> from lightning_memkit.demo.hf_models import tiny_hf_config
-    >>> from lightning_memkit.estimate.plans import HFRun, search_plans
+    >>> from lightning_memkit.estimate.hf_run import HFRun
+    >>> from lightning_memkit.estimate.plans import search_plans
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "config.json"
     >>> _ = path.write_text(tiny_hf_config("llama", vocab_size=1000, num_layers=1).to_json_string())
     >>> run = HFRun(path, seq_len=64, batch_size=2)
@@ -33,64 +34,19 @@ Example (a one-layer tiny Llama: plans for half of its plain peak, four estimate
 
 from __future__ import annotations
 
-import copy
-import itertools
-import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from lightning_memkit.common.sizes import parse_bytes
+from lightning_memkit.estimate.levers import Plan
+from lightning_memkit.estimate.runs import Run
 from lightning_memkit.estimate.step import MemoryEstimate
 from lightning_memkit.measure.storage import format_bytes
 
-__all__ = ["Plan", "PlanResult", "SearchResult", "HFRun", "ConfigRun", "search_plans", "parse_bytes",
-           "MACHINE_BALANCE"]
+__all__ = ["MACHINE_BALANCE", "Plan", "PlanResult", "SearchResult", "search_plans", "step_cost"]
 
 MACHINE_BALANCE = 300  # FLOPs per byte of memory traffic (H100 SXM: ~989 TFLOP/s bf16 / 3.35 TB/s)
-_CHECKPOINT_STRENGTH = {None: 0, "selective": 1, "full": 2}
-_PRECISION_STRENGTH = {"32-true": 0, "32": 0, "bf16-mixed": 0, "bf16-true": 1, "16-true": 1}
-_PLUGIN_STRENGTH = {None: 0, "int8-lora": 0, "nf4-lora": 1, "fp4-lora": 1, "nf4-dq-lora": 2, "fp4-dq-lora": 2}
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One choice per axis; ``micro_batch`` sequences per forward (the batch is accumulated over the rest)."""
-
-    precision: str
-    plugin: str | None
-    checkpoint: str | None
-    fused_loss: bool
-    micro_batch: int
-    stages: int = 1
-
-    def strength(self) -> tuple[int, ...]:
-        """Per axis, how much the choice lowers memory (larger: more); micro-batch as minus its size."""
-        return (_PRECISION_STRENGTH.get(self.precision, 0), _PLUGIN_STRENGTH.get(self.plugin, 0),
-                _CHECKPOINT_STRENGTH[self.checkpoint], int(self.fused_loss), -self.micro_batch, self.stages)
-
-    def at_most(self, other: Plan) -> bool:
-        """Whether every axis of this plan lowers memory no more than ``other``'s does."""
-        return all(a <= b for a, b in zip(self.strength(), other.strength(), strict=True))
-
-    def describe(self, base: Plan) -> str:
-        """What this plan changes from ``base``, in words."""
-        words = []
-        if self.precision != base.precision:
-            words.append(f"precision {self.precision}")
-        if self.plugin != base.plugin:
-            words.append(f"quantization {self.plugin}")
-        if self.checkpoint != base.checkpoint:
-            words.append(f"{self.checkpoint or 'no'} activation checkpointing")
-        if self.fused_loss != base.fused_loss:
-            words.append("fused loss" if self.fused_loss else "no fused loss")
-        if self.micro_batch != base.micro_batch:
-            words.append(f"micro-batch {self.micro_batch} x {-(-base.micro_batch // self.micro_batch)} accumulation")
-        if self.stages > 1:
-            words.append(f"{self.stages} pipeline stages")
-        return ", ".join(words) or "the run as given"
 
 
 def step_cost(est: MemoryEstimate) -> float:
@@ -113,7 +69,7 @@ class PlanResult:
         import yaml
 
         head = (f"# {self.plan.describe(self.run.base)}: predicted peak {format_bytes(self.peak_bytes)}"
-                f"{' per rank' if self.plan.stages > 1 else ''}, step time {self.overhead:+.0%} (predicted)\n")
+                f"{' per rank' if self.plan['stages'] > 1 else ''}, step time {self.overhead:+.0%} (predicted)\n")
         notes = "".join(f"# {n}\n" for n in self.run.notes(self.plan))
         return head + notes + yaml.safe_dump(self.run.fragment(self.plan), sort_keys=False)
 
@@ -136,7 +92,7 @@ class SearchResult:
 
         def row(r: PlanResult) -> dict[str, Any]:
             return {"plan": r.plan.describe(self.base.plan), "peak_bytes": r.peak_bytes,
-                    "overhead": round(r.overhead, 4), "yaml": r.yaml(), **r.plan.__dict__}
+                    "overhead": round(r.overhead, 4), "yaml": r.yaml(), **r.plan.to_dict()}
 
         return json.dumps({"budget_bytes": self.budget_bytes, "margin": self.margin, "base": row(self.base),
                            "plans": [row(r) for r in self.fitting], "estimated": self.estimated,
@@ -157,238 +113,7 @@ class SearchResult:
         return "\n".join(lines)
 
 
-# -- the two kinds of run ---------------------------------------------------------------------------------------
-def batch_splits(batch_size: int) -> list[int]:
-    """Micro-batch sizes to try: ``batch_size`` halved while it divides evenly."""
-    sizes = [batch_size]
-    while sizes[-1] % 2 == 0:
-        sizes.append(sizes[-1] // 2)
-    return sizes
-
-
-def stronger_precisions(precision: str) -> list[str]:
-    return [precision] + (["bf16-true"] if _PRECISION_STRENGTH.get(precision, 0) == 0 else [])
-
-
-def stronger_checkpoints(checkpoint: str | None) -> list[str | None]:
-    return [c for c in _CHECKPOINT_STRENGTH if _CHECKPOINT_STRENGTH[c] >= _CHECKPOINT_STRENGTH[checkpoint]]
-
-
-def _stronger_plugins(plugin: str | None) -> list[str | None]:
-    if plugin is None:
-        return [None]
-    return [plugin] + [p for p in ("nf4-lora", "nf4-dq-lora") if _PLUGIN_STRENGTH[p] > _PLUGIN_STRENGTH[plugin]]
-
-
-class HFRun:
-    """A causal LM from an HF ``config.json`` as ``memkit estimate --hf-config`` runs it; ``base`` is that run."""
-
-    def __init__(self, path: str | Path, seq_len: int = 2048, batch_size: int = 1, precision: str = "32-true",
-                 optimizer: str = "adamw", activation_checkpointing: bool | str = False, fused_loss: bool = False,
-                 plugin: str | None = None, lora_rank: int = 16, device: str = "cuda"):
-        from lightning_memkit.estimate.hf import checkpoint_mode
-        from lightning_memkit.estimate.inputs import check_positions, check_tokens, read_hf_config
-
-        seq_len, batch_size = check_tokens(seq_len, batch_size)
-        self.config = read_hf_config(path)  # checked before the first estimate
-        check_positions(seq_len, self.config, path)
-        self.path, self.seq_len, self.optimizer, self.lora_rank = Path(path), seq_len, optimizer, lora_rank
-        self.device = device
-        self.batch_size = batch_size
-        self.base = Plan(precision, plugin, checkpoint_mode(activation_checkpointing), bool(fused_loss), batch_size)
-
-    def axes(self) -> Iterator[Plan]:
-        b = self.base
-        for values in itertools.product(stronger_precisions(b.precision), _stronger_plugins(b.plugin),
-                                        stronger_checkpoints(b.checkpoint), sorted({b.fused_loss, True}),
-                                        batch_splits(b.micro_batch)):
-            yield Plan(*values)
-
-    def estimate(self, plan: Plan) -> Any:
-        from lightning_memkit.estimate.hf import estimate_from_hf_config, estimate_hf_pipeline
-
-        kwargs = dict(seq_len=self.seq_len, precision=plan.precision, optimizer=self.optimizer,
-                      activation_checkpointing=plan.checkpoint or False, fused_loss=plan.fused_loss)
-        if plan.stages > 1:
-            return estimate_hf_pipeline(self.path, plan.stages, microbatches=self.batch_size,
-                                        batch_size=self.batch_size, **kwargs)
-        return estimate_from_hf_config(self.path, batch_size=plan.micro_batch, plugin=plan.plugin,
-                                       lora_rank=self.lora_rank, accumulate=plan.micro_batch < self.batch_size,
-                                       device=self.device, **kwargs)
-
-    def pipelines(self) -> Iterator[Plan]:
-        """Pipeline plans with every single-device feature on (no quantization: not estimated with stages), for the
-        models ``memkit_pipeline`` splits (``causal_lm_config_problems`` finds nothing)."""
-        from lightning_memkit.hf.pipeline_stages import causal_lm_config_problems
-
-        if self.base.plugin is None and not causal_lm_config_problems(self.config):
-            layers = int(getattr(self.config, "num_hidden_layers", 0) or 0)
-            for stages in [s for s in (2, 4, 8) if s <= layers]:
-                yield Plan(stronger_precisions(self.base.precision)[-1], None, "full", True, self.batch_size, stages)
-
-    def fragment(self, plan: Plan) -> dict[str, Any]:
-        trainer: dict[str, Any] = {}
-        if plan.plugin is not None:
-            trainer["plugins"] = [_plugin_entry(plan, self.lora_rank)]
-        elif plan.precision != "32-true":
-            trainer["precision"] = plan.precision
-        if plan.micro_batch != self.batch_size:
-            trainer["accumulate_grad_batches"] = self.batch_size // plan.micro_batch
-        if plan.stages > 1:
-            trainer["devices"] = plan.stages
-            trainer["strategy"] = {"class_path": "lightning_memkit.strategies.MemkitPipelineStrategy",
-                                   "init_args": {"schedule": "1f1b", "microbatches": self.batch_size,
-                                                 "partition": "memory", "fused_loss": plan.fused_loss}}
-        callbacks = feature_callbacks(plan, fused_callback=plan.stages == 1)
-        if callbacks:
-            trainer["callbacks"] = callbacks
-        return {"trainer": trainer}
-
-    def notes(self, plan: Plan) -> list[str]:
-        notes = ["add these callbacks to your own list (a later --config replaces the whole list)"
-                 if feature_callbacks(plan, fused_callback=plan.stages == 1) else "a fragment of your trainer config"]
-        if plan.micro_batch != self.batch_size:
-            notes.append(f"and set your data module's batch size to {plan.micro_batch}")
-        return notes
-
-
-class ConfigRun:
-    """A memkit / LightningCLI config as ``memkit estimate --config`` runs it; plans edit its parsed keys."""
-
-    def __init__(self, config: str | Path, overrides: list[str] | tuple[str, ...] = ()):
-        from lightning_memkit.common.errors import ConfigError
-        from lightning_memkit.config.lightning_cli import parse_config
-        from lightning_memkit.estimate.config import config_features as config_features
-
-        self.config = Path(config)
-        if not self.config.is_file():
-            raise ConfigError(f"--config: no such file: {self.config}")
-        self.parsed = parse_config(self.config, [str(a) for a in overrides])
-        trainer = self.parsed.get("trainer") or {}
-        features = config_features(trainer)
-        self.batch_size = int(((self.parsed.get("data") or {}).get("init_args") or {}).get("batch_size") or 0)
-        self.accumulate = int(trainer.get("accumulate_grad_batches") or 1)
-        plugin = features["plugin"]
-        self.plugin_entry = (trainer.get("plugins") or [None])[0] if plugin is not None else None
-        self.base = Plan(features["precision"], None if plugin is None else f"{plugin.mode}-lora",
-                         features["checkpoint"], features["fused"], self.batch_size)
-        self.lora_rank = getattr(plugin, "lora_rank", 0)
-        self.hf = _has_hf_model(self.parsed["model"])
-
-    def axes(self) -> Iterator[Plan]:
-        b = self.base
-        precisions = [b.precision] if b.plugin is not None else stronger_precisions(b.precision)
-        fused = sorted({b.fused_loss, self.hf})
-        for values in itertools.product(precisions, _stronger_plugins(b.plugin), stronger_checkpoints(b.checkpoint),
-                                        fused, batch_splits(b.micro_batch) if b.micro_batch else [0]):
-            yield Plan(*values)
-
-    def pipelines(self) -> Iterator[Plan]:
-        return iter(())
-
-    def edited(self, plan: Plan) -> dict[str, Any]:
-        """The parsed config with ``plan`` applied."""
-        parsed = copy.deepcopy(self.parsed)
-        trainer = parsed.setdefault("trainer", {})
-
-        from lightning_memkit.common.class_paths import class_name
-
-        own = ("ActivationCheckpointing", "FusedLinearCrossEntropy")
-        callbacks = trainer.get("callbacks") or []
-        kept = [c for c in callbacks if class_name(c) not in own]
-        given = {class_name(c): c for c in callbacks if class_name(c) in own}
-        trainer["callbacks"] = kept + [_keep_settings(entry, given.get(class_name(entry)))
-                                       for entry in feature_callbacks(plan, fused_callback=True)]
-        if plan.plugin is not None:
-            entry = copy.deepcopy(self.plugin_entry)
-            entry.setdefault("init_args", {})["mode"] = plan.plugin.removesuffix("-lora")
-            trainer["plugins"] = [entry]
-        else:
-            trainer["precision"] = plan.precision
-        if plan.micro_batch != self.batch_size:
-            parsed["data"]["init_args"]["batch_size"] = plan.micro_batch
-            trainer["accumulate_grad_batches"] = self.accumulate * (self.batch_size // plan.micro_batch)
-        return parsed
-
-    def estimate(self, plan: Plan) -> MemoryEstimate:
-        from lightning_memkit.estimate.config import estimate_parsed_config
-
-        return estimate_parsed_config(self.edited(plan))
-
-    def fragment(self, plan: Plan) -> dict[str, Any]:
-        edited, out = self.edited(plan), {}
-        for section in ("trainer", "data"):
-            old, new = self.parsed.get(section) or {}, edited.get(section) or {}
-            changed = {k: v for k, v in new.items() if old.get(k) != v}
-            if section == "data" and changed:
-                changed = {"init_args": {"batch_size": plan.micro_batch}}
-            if changed:
-                out[section] = changed
-        return out
-
-    def notes(self, plan: Plan) -> list[str]:
-        return [f"memkit fit --config {self.config} --config this.yaml"]
-
-
-def _has_hf_model(model_entry: dict[str, Any]) -> bool:
-    """Whether the config's model has a causal LM the ``FusedLinearCrossEntropy`` callback can patch (its
-    ``find_causal_lms``), built on fake tensors."""
-    from lightning_memkit.config.lightning_cli import instantiate
-    from lightning_memkit.estimate.trace import fake_tensors
-    from lightning_memkit.hf.fused_loss import find_causal_lms
-
-    with fake_tensors():
-        model = instantiate(model_entry)
-    try:
-        return bool(find_causal_lms(model))
-    except (ValueError, ImportError):
-        return False
-
-
-def _keep_settings(entry: dict[str, Any], given: Any) -> Any:
-    """A plan's callback ``entry`` with the settings of the config's own entry of that callback (``given``) kept:
-    its other init args (``policy``, ``budget_bytes``...) stay as the config sets them, the plan's replace theirs."""
-    if not isinstance(given, dict):
-        return entry
-    out = copy.deepcopy(given)
-    args = {**(out.get("init_args") or {}), **entry.get("init_args", {})}
-    if args:
-        out["init_args"] = args
-    return out
-
-
-def feature_callbacks(plan: Plan, fused_callback: bool) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if plan.checkpoint is not None:
-        out.append({"class_path": "lightning_memkit.callbacks.ActivationCheckpointing",
-                    "init_args": {"selective": plan.checkpoint == "selective"}})
-    if plan.fused_loss and fused_callback:
-        out.append({"class_path": "lightning_memkit.callbacks.FusedLinearCrossEntropy"})
-    return out
-
-
-def _plugin_entry(plan: Plan, lora_rank: int) -> dict[str, Any]:
-    from lightning_memkit.estimate.hf import plugin_dtype
-
-    dtype = str(plugin_dtype(plan.precision)).removeprefix("torch.")
-    return {"class_path": "lightning_memkit.plugins.NoSaveBitsandbytesPrecision",
-            "init_args": {"mode": plan.plugin.removesuffix("-lora"), "dtype": dtype, "lora_rank": lora_rank}}
-
-
 # -- the search --------------------------------------------------------------------------------------------------
-def _pipeline_factor(plan: Plan, microbatches: int) -> float:
-    return (1 + (plan.stages - 1) / microbatches) / plan.stages
-
-
-def _search_order(plan: Plan, base: Plan) -> tuple[float, int]:
-    """Least added work first (recomputation, accumulation steps, quantization work); then the choices that
-    lower memory without adding work (precision, fused loss) strongest first, so that one that does not fit
-    rules out the weaker ones and one that fits rules out the costlier ones."""
-    s = plan.strength()
-    steps = math.log2(max(base.micro_batch, 1) / max(plan.micro_batch, 1))
-    return s[1] + s[2] + steps, -(s[0] + s[3])
-
-
 def _strongest(plans: list[Plan]) -> Plan:
     """The plan every other one is at most (each axis at its strongest); the candidates are a full product."""
     best = max(plans, key=lambda p: p.strength())
@@ -414,13 +139,6 @@ def _probes(top: Plan, plans: list[Plan]) -> list[Plan]:
     return [best[i] for i in sorted(best)]
 
 
-def _costlier(plan: Plan, cheaper: Plan) -> bool:
-    """Whether ``plan`` only adds recomputation, accumulation steps or quantization work to ``cheaper`` (same
-    precision and loss): it then costs at least as much in the time model, so a fitting ``cheaper`` rules it out."""
-    return (plan != cheaper and cheaper.at_most(plan) and plan.precision == cheaper.precision
-            and plan.fused_loss == cheaper.fused_loss and plan.stages == cheaper.stages)
-
-
 @dataclass
 class _Search:
     """The state of one :func:`search_plans`."""
@@ -440,7 +158,7 @@ class _Search:
     start: float = field(default_factory=time.perf_counter)
 
     def ruled_out(self, plan: Plan) -> bool:
-        return any(plan.at_most(f) for f in self.failed) or any(_costlier(plan, r.plan) for r in self.fitting)
+        return any(plan.at_most(f) for f in self.failed) or any(plan.costlier(r.plan) for r in self.fitting)
 
     def try_plan(self, plan: Plan, single_cost: float | None = None) -> tuple[PlanResult, float] | None:
         """Estimate ``plan`` unless a known result rules it out; file it as fitting or failed."""
@@ -458,10 +176,8 @@ class _Search:
         self.say(self._progress(plan))
         est = self.run.estimate(plan)
         self.estimated += 1
-        if plan.stages > 1:  # the single-device step of the same features, split over the stages
-            cost = single_cost * _pipeline_factor(plan, self.run.batch_size)
-        else:
-            cost = step_cost(est) * -(-max(self.run.base.micro_batch, 1) // max(plan.micro_batch, 1))
+        # pipeline stages: the single-device step of the same features, split over the stages
+        cost = plan.scale_cost(self.run.base, single_cost if plan["stages"] > 1 else step_cost(est), self.run)
         self.base_cost = self.base_cost or cost
         result = PlanResult(plan, est.peak_bytes, cost / self.base_cost - 1, self.fits(est.peak_bytes), self.run)
         if result.fits:
@@ -488,7 +204,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
-def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05, max_plans: int = 3,
+def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: int = 3,
                  max_estimates: int = 48, progress: Callable[[str], None] | None = None) -> SearchResult:
     """Estimate the candidate plans of ``run`` and return those that fit ``budget_bytes``, cheapest first.
 
@@ -499,7 +215,9 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
     1); the others listed are fitting plans found on the way, cheapest first.
 
     Args:
-        run: :class:`HFRun` or :class:`ConfigRun`; its ``base`` plan is the run as given.
+        run: a :class:`~lightning_memkit.estimate.runs.Run` (:class:`~lightning_memkit.estimate.hf_run.HFRun`,
+            :class:`~lightning_memkit.estimate.config_run.ConfigRun`,
+            :class:`~lightning_memkit.estimate.module.ModuleRun`); its ``base`` plan is the run as given.
         budget_bytes: device memory available to training (per rank with pipeline stages).
         margin: a plan fits when ``peak * (1 + margin) <= budget_bytes``.
         max_plans: how many fitting plans to return.
@@ -516,7 +234,7 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
         raise ValueError(f"search_plans(margin=...) must be in [0, 1), got {margin!r}")
     search = _Search(run, lambda peak: peak * (1 + margin) <= budget_bytes, progress or (lambda _line: None),
                      max_estimates)
-    ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: _search_order(p, run.base))
+    ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: p.search_order(run.base))
     top = _strongest([run.base, *ordered])
     search.queue = [top, *(p for p in ordered if p != top)]
     base, base_cost = search.try_plan(run.base)
@@ -533,6 +251,6 @@ def search_plans(run: HFRun | ConfigRun, budget_bytes: int, margin: float = 0.05
         for plan in list(search.queue):
             if (found := search.try_plan(plan, strongest[1])) is not None and found[0].fits:
                 break
-    fitting = sorted(search.fitting, key=lambda r: (r.plan.stages, r.overhead, -sum(r.plan.strength())))
+    fitting = sorted(search.fitting, key=lambda r: (r.plan["stages"], r.overhead, -sum(r.plan.strength())))
     return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped,
                         search.capped, time.perf_counter() - search.start)

@@ -37,7 +37,7 @@ def _search_rows(run, fractions=FRACTIONS) -> list[dict]:
 
 def _hf_searches() -> dict:
     from lightning_memkit.demo.hf_models import tiny_hf_config
-    from lightning_memkit.estimate.plans import HFRun
+    from lightning_memkit.estimate.hf_run import HFRun
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +51,7 @@ def _hf_searches() -> dict:
 
 
 def _config_searches() -> dict:
-    from lightning_memkit.estimate.plans import ConfigRun
+    from lightning_memkit.estimate.config_run import ConfigRun
 
     out = {}
     for name in ("tiny_lm_qlora.yaml", "hf_llama_peft_lora.yaml"):

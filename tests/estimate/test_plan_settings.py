@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_memkit.estimate.plans import ConfigRun, Plan, search_plans
+from lightning_memkit.estimate.config_run import ConfigRun
+from lightning_memkit.estimate.levers import Plan
+from lightning_memkit.estimate.plans import search_plans
 
 TINY_LM = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_lm.yaml"
 
@@ -38,12 +40,20 @@ def test_a_plan_keeps_the_configs_activation_checkpointing_settings(checkpoint: 
     """tiny_lm.yaml recomputes ``policy: [Block]`` (and here within ``budget_bytes``): the plans' YAML says so too
     (it once came back as ``selective: false`` alone, the rest dropped), with the plan's mode."""
     run = tiny_lm_run
-    assert run.base.checkpoint == "full"
-    plan = Plan(run.base.precision, None, checkpoint, False, 2)
-    args = _callback(run.fragment(plan), "ActivationCheckpointing")["init_args"]
+    assert run.base["recompute"] == "full"
+    plan = Plan(precision=run.base["precision"], recompute=checkpoint, fused_loss=False, micro_batch=2)
+    edited = run.edited(plan)
+    args = _callback(edited, "ActivationCheckpointing")["init_args"]
     assert args["policy"] == ["lightning_memkit.demo.tiny_lm.Block"] and args["budget_bytes"] == 50_000_000
     assert args["selective"] is (checkpoint == "selective")
-    assert run.edited(plan)["data"]["init_args"]["batch_size"] == 2
+    assert edited["data"]["init_args"]["batch_size"] == 2
+    # the callback stays where the config has it; the fragment lists the callbacks only where the plan changes one
+    names = [c["class_path"] for c in edited["trainer"]["callbacks"]]
+    assert names == [c["class_path"] for c in run.parsed["trainer"]["callbacks"]]
+    fragment = run.fragment(plan)["trainer"]
+    assert ("callbacks" in fragment) is (checkpoint == "selective") and "precision" not in fragment
+    if checkpoint == "selective":
+        assert _callback(run.fragment(plan), "ActivationCheckpointing")["init_args"] == args
 
 
 @dataclass
@@ -57,22 +67,22 @@ class _Run:
     """A run whose peak is the micro-batch in bytes: plans of micro-batch <= 2 fit a budget of 2."""
 
     def __init__(self) -> None:
-        self.base = Plan("32-true", None, None, False, 8)
+        self.base = Plan(recompute=None, fused_loss=False, micro_batch=8)
         self.batch_size = 8
 
     def axes(self):
         for micro in (8, 4, 2, 1):
             for checkpoint in (None, "full"):
-                yield Plan("32-true", None, checkpoint, False, micro)
+                yield Plan(recompute=checkpoint, fused_loss=False, micro_batch=micro)
 
     def estimate(self, plan: Plan) -> _Estimate:
-        return _Estimate(plan.micro_batch)
+        return _Estimate(plan["micro_batch"])
 
     def pipelines(self):
         return iter(())
 
     def fragment(self, plan: Plan) -> dict:
-        return {"trainer": {"accumulate_grad_batches": self.batch_size // plan.micro_batch}}
+        return {"trainer": {"accumulate_grad_batches": self.batch_size // plan["micro_batch"]}}
 
     def notes(self, plan: Plan) -> list[str]:
         return []
@@ -100,12 +110,13 @@ class _Lattice(_Run):
         for micro in (8, 4, 2, 1):
             for checkpoint in (None, "selective", "full"):
                 for fused in (False, True):
-                    yield Plan("32-true", None, checkpoint, fused, micro)
+                    yield Plan(recompute=checkpoint, fused_loss=fused, micro_batch=micro)
 
     def estimate(self, plan: Plan) -> _Estimate:
-        peak = 10 + 100 * plan.micro_batch / 8 * self.ACTIVATIONS[plan.checkpoint] * (0.8 if plan.fused_loss else 1)
-        flops = 1000 * plan.micro_batch / 8 * self.WORK[plan.checkpoint] * (0.99 if plan.fused_loss else 1)
-        return _Estimate(round(peak), round(flops) + 8 // plan.micro_batch)  # + a little per accumulation step
+        fused = 0.8 if plan["fused_loss"] else 1
+        peak = 10 + 100 * plan["micro_batch"] / 8 * self.ACTIVATIONS[plan["recompute"]] * fused
+        flops = 1000 * plan["micro_batch"] / 8 * self.WORK[plan["recompute"]] * (0.99 if plan["fused_loss"] else 1)
+        return _Estimate(round(peak), round(flops) + 8 // plan["micro_batch"])  # + a little per accumulation step
 
 
 @pytest.mark.parametrize("budget", [15, 25, 40, 60, 90])
@@ -116,7 +127,7 @@ def test_the_search_finds_the_cheapest_fitting_plan_with_fewer_estimates(budget:
 
     run = _Lattice()
     result = search_plans(run, budget, margin=0.0)
-    costs = {p: step_cost(run.estimate(p)) * (8 // p.micro_batch) for p in run.axes()
+    costs = {p: step_cost(run.estimate(p)) * (8 // p["micro_batch"]) for p in run.axes()
              if run.estimate(p).peak_bytes <= budget}
     assert result.fitting[0].plan == min(costs, key=costs.get)
     assert result.estimated + result.skipped == len(list(run.axes()))

@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 
 from lightning_memkit.cli.main import main
+from lightning_memkit.common.sizes import parse_bytes
 from lightning_memkit.config.errors import ConfigError
 from lightning_memkit.demo.hf_models import tiny_hf_config
 from lightning_memkit.estimate.hf import estimate_from_hf_config
-from lightning_memkit.estimate.plans import HFRun, Plan, parse_bytes, search_plans, step_cost
+from lightning_memkit.estimate.hf_run import HFRun
+from lightning_memkit.estimate.levers import Plan
+from lightning_memkit.estimate.plans import search_plans, step_cost
 from lightning_memkit.memory import LivePeak
 
 BASE_CONFIG = """\
@@ -55,10 +58,11 @@ def test_parse_bytes_refuses(text: object) -> None:
 
 
 def test_plan_order_and_words() -> None:
-    base = Plan("32-true", None, None, False, 8)
-    strong = Plan("bf16-true", None, "full", True, 2)
+    base = Plan(recompute=None, fused_loss=False, micro_batch=8)
+    strong = Plan(precision="bf16-true", recompute="full", fused_loss=True, micro_batch=2)
     assert base.at_most(strong) and not strong.at_most(base)
-    assert not Plan("32-true", None, "full", False, 8).at_most(Plan("bf16-true", None, None, True, 8))
+    assert not Plan(recompute="full", micro_batch=8).at_most(Plan(precision="bf16-true", fused_loss=True,
+                                                                   micro_batch=8))
     assert strong.describe(base) == ("precision bf16-true, full activation checkpointing, fused loss, "
                                      "micro-batch 2 x 4 accumulation")
     assert base.describe(base) == "the run as given"
@@ -72,9 +76,10 @@ def test_the_strongest_plan_is_tried_first(tmp_path: Path) -> None:
     run = HFRun(path, seq_len=16, batch_size=4, precision="bf16-true", plugin="nf4-lora")
     plans = list(run.axes())
     assert len(plans) == 2 * 3 * 2 * 3 and len(set(plans)) == len(plans)  # quantization x recompute x loss x batch
-    assert _strongest(plans) == Plan("bf16-true", "nf4-dq-lora", "full", True, 1)
+    assert _strongest(plans) == Plan(precision="bf16-true", quantization="nf4-dq-lora", recompute="full",
+                                     fused_loss=True, micro_batch=1)
     with pytest.raises(AssertionError):
-        _strongest([Plan("32-true", None, "full", False, 1), Plan("32-true", None, None, True, 1)])
+        _strongest([Plan(recompute="full", micro_batch=1), Plan(fused_loss=True, micro_batch=1)])
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +102,13 @@ def test_search_returns_fitting_plans_cheapest_first(llama_json: Path) -> None:
     overheads = [r.overhead for r in result.fitting]
     assert overheads == sorted(overheads)
     best = result.fitting[0]
-    accumulate = best.plan.micro_batch < run.batch_size
-    again = estimate_from_hf_config(llama_json, seq_len=64, batch_size=best.plan.micro_batch,
-                                    precision=best.plan.precision,
-                                    activation_checkpointing=best.plan.checkpoint or False,
-                                    fused_loss=best.plan.fused_loss, accumulate=accumulate)
+    accumulate = best.plan["micro_batch"] < run.batch_size
+    again = estimate_from_hf_config(llama_json, seq_len=64, batch_size=best.plan["micro_batch"],
+                                    precision=best.plan["precision"],
+                                    activation_checkpointing=best.plan["recompute"] or False,
+                                    fused_loss=best.plan["fused_loss"], accumulate=accumulate)
     assert best.peak_bytes == again.peak_bytes  # the plan's peak is the estimate of its options
-    steps = run.batch_size // best.plan.micro_batch
+    steps = run.batch_size // best.plan["micro_batch"]
     assert best.overhead == pytest.approx(steps * step_cost(again) / step_cost(base) - 1)
     assert '"plans"' in result.to_json() and "plan 1:" in str(result)
 
@@ -167,9 +172,9 @@ def test_training_with_the_plan_stays_within_the_budget(tmp_path: Path, capsys: 
 
 
 @pytest.mark.parametrize("plan", [
-    Plan("bf16-true", None, "selective", True, 2),
-    Plan("32-true", "nf4-dq-lora", "full", False, 4),
-    Plan("bf16-true", None, "full", True, 4, stages=2),
+    Plan(precision="bf16-true", recompute="selective", fused_loss=True, micro_batch=2),
+    Plan(quantization="nf4-dq-lora", recompute="full", fused_loss=False, micro_batch=4),
+    Plan(precision="bf16-true", recompute="full", fused_loss=True, micro_batch=4, stages=2),
 ], ids=["single", "qlora", "pipeline"])
 def test_hf_fragments_parse_as_lightningcli_configs(plan: Plan, llama_json: Path, tmp_path: Path) -> None:
     """Every key of a plan's YAML is one LightningCLI accepts (class paths, init args, trainer options)."""
@@ -184,12 +189,12 @@ def test_hf_fragments_parse_as_lightningcli_configs(plan: Plan, llama_json: Path
     parsed = parse_config(base, ["--config", str(fragment)])
     trainer = parsed["trainer"]
     names = [c["class_path"].rpartition(".")[2] for c in trainer.get("callbacks") or []]
-    assert ("ActivationCheckpointing" in names) == (plan.checkpoint is not None)
-    assert ("FusedLinearCrossEntropy" in names) == (plan.fused_loss and plan.stages == 1)
-    if plan.stages > 1:
+    assert ("ActivationCheckpointing" in names) == (plan["recompute"] is not None)
+    assert ("FusedLinearCrossEntropy" in names) == (plan["fused_loss"] and plan["stages"] == 1)
+    if plan["stages"] > 1:
         assert trainer["strategy"]["init_args"]["fused_loss"] is True and trainer["devices"] == 2
-    if plan.plugin is not None:
+    if plan["quantization"] is not None:
         assert trainer["plugins"][0]["init_args"]["mode"] == "nf4-dq"
     else:
-        assert trainer["precision"] == plan.precision
-    assert trainer["accumulate_grad_batches"] == 4 // plan.micro_batch
+        assert trainer["precision"] == plan["precision"]
+    assert trainer["accumulate_grad_batches"] == 4 // plan["micro_batch"]

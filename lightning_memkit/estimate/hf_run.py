@@ -1,0 +1,80 @@
+"""A causal LM from an HF ``config.json`` as ``memkit estimate --hf-config`` runs it, as a run for the planner.
+
+Example::
+
+    >>> import pathlib, tempfile
+    >>> from lightning_memkit.demo.hf_models import tiny_hf_config
+    >>> from lightning_memkit.estimate.hf_run import HFRun
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "config.json"
+    >>> _ = path.write_text(tiny_hf_config("llama", vocab_size=1000, num_layers=1).to_json_string())
+    >>> run = HFRun(path, seq_len=64, batch_size=4)
+    >>> plan = run.base.replace(recompute="full", micro_batch=2)
+    >>> run.fragment(plan)["trainer"]["accumulate_grad_batches"], run.notes(plan)[1]
+    (2, "and set your data module's batch size to 2")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lightning_memkit.estimate.levers import Plan
+from lightning_memkit.estimate.runs import LeverRun
+
+__all__ = ["HFRun"]
+
+
+class HFRun(LeverRun):
+    """A causal LM from an HF ``config.json`` as ``memkit estimate --hf-config`` runs it; ``base`` is that run."""
+
+    kind = "hf"
+    has_causal_lm = True
+
+    def __init__(self, path: str | Path, seq_len: int = 2048, batch_size: int = 1, precision: str = "32-true",
+                 optimizer: str = "adamw", activation_checkpointing: bool | str = False, fused_loss: bool = False,
+                 plugin: str | None = None, lora_rank: int = 16, device: str = "cuda"):
+        from lightning_memkit.estimate.hf import checkpoint_mode
+        from lightning_memkit.estimate.inputs import check_positions, check_tokens, read_hf_config
+
+        seq_len, batch_size = check_tokens(seq_len, batch_size)
+        self.config = read_hf_config(path)  # checked before the first estimate
+        check_positions(seq_len, self.config, path)
+        self.path, self.seq_len, self.optimizer, self.lora_rank = Path(path), seq_len, optimizer, lora_rank
+        self.device = device
+        self.batch_size = batch_size
+        self.base = Plan(precision=precision, quantization=plugin,
+                         recompute=checkpoint_mode(activation_checkpointing), fused_loss=bool(fused_loss),
+                         micro_batch=batch_size)
+
+    def estimate(self, plan: Plan) -> Any:
+        from lightning_memkit.estimate.hf import estimate_from_hf_config, estimate_hf_pipeline
+
+        spec = self.step_spec(plan)
+        kwargs = dict(seq_len=self.seq_len, precision=spec.precision, optimizer=self.optimizer,
+                      activation_checkpointing=spec.recompute or False, fused_loss=spec.fused_loss)
+        if spec.stages > 1:
+            return estimate_hf_pipeline(self.path, spec.stages, microbatches=self.batch_size,
+                                        batch_size=self.batch_size, **kwargs)
+        return estimate_from_hf_config(self.path, batch_size=spec.rows, plugin=spec.plugin,
+                                       lora_rank=self.lora_rank, accumulate=spec.rows < self.batch_size,
+                                       device=self.device, **kwargs)
+
+    def pipelines(self) -> Iterator[Plan]:
+        """Pipeline plans with every single-device feature on (no quantization: not estimated with stages), for the
+        models ``memkit_pipeline`` splits (``causal_lm_config_problems`` finds nothing)."""
+        from lightning_memkit.hf.pipeline_stages import causal_lm_config_problems
+
+        if self.base["quantization"] is None and not causal_lm_config_problems(self.config):
+            layers = int(getattr(self.config, "num_hidden_layers", 0) or 0)
+            strongest = max(self.axes(), key=lambda p: p.strength())
+            for stages in [s for s in (2, 4, 8) if s <= layers]:
+                yield strongest.replace(micro_batch=self.batch_size, stages=stages)
+
+
+    def notes(self, plan: Plan) -> list[str]:
+        notes = ["add these callbacks to your own list (a later --config replaces the whole list)"
+                 if self.written(plan).callbacks else "a fragment of your trainer config"]
+        if plan["micro_batch"] != self.batch_size:
+            notes.append(f"and set your data module's batch size to {plan['micro_batch']}")
+        return notes

@@ -1,0 +1,160 @@
+"""What a lever is: one way to trade step time (or numerics) for memory, as the planner, the estimator, the YAML
+writer and ``MemoryBudget`` see it.
+
+A :class:`Lever` holds no state: its choices are plain values (a string, a bool, an int), a
+:class:`~lightning_memkit.estimate.levers.plan.Plan` maps each registered lever's name to one of them. A lever
+says, for its choices: their order of strength (:meth:`Lever.strength`, larger lowers memory more), which ones a
+run may try (:meth:`Lever.options`), how one enters the fake step (:meth:`Lever.to_step`, onto a
+:class:`StepSpec`), how one is written as a LightningCLI fragment for each kind of run (``write_hf``,
+``write_config``, ``write_module`` onto a :class:`Written`), how one is read from and applied to a live Trainer
+(:meth:`Lever.read_trainer`, :meth:`Lever.apply`, through a :class:`TrainerEdit`), its words in a plan line
+(:meth:`Lever.words`) and its cost in the step time model (:meth:`Lever.work`, :meth:`Lever.scale_cost`).
+
+Example (a lever's choices and words)::
+
+    >>> from lightning_memkit.estimate.levers.recompute import RECOMPUTE
+    >>> RECOMPUTE.name, [RECOMPUTE.strength(c) for c in (None, "selective", "full")]
+    ('recompute', [0, 1, 2])
+    >>> RECOMPUTE.words("full", None)
+    'full activation checkpointing'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["KINDS", "Lever", "StepSpec", "TrainerEdit", "Written", "find_callback"]
+
+KINDS = ("work", "free", "scale")  # adds work (ordered by it) / lowers memory for free / changes the device count
+
+
+@dataclass
+class StepSpec:
+    """How the fake step a plan is estimated on runs: what each run kind turns into its estimate call.
+
+    ``plugin``: a quantization mode with ``-lora`` (``"nf4-lora"``) or ``None``; ``recompute``: ``None``,
+    ``"selective"`` or ``"full"``; ``rows``: the micro-batch (sequences per forward); ``patches``: callables
+    ``model -> context manager`` entered around the step; ``optimizer``: callables ``factory -> factory`` applied to
+    the optimizer factory, in order.
+    """
+
+    precision: str = "32-true"
+    plugin: str | None = None
+    recompute: str | None = None
+    fused_loss: bool = False
+    rows: int = 0
+    stages: int = 1
+    patches: list[Callable[[Any], Any]] = field(default_factory=list)
+    optimizer: list[Callable[[Any], Any]] = field(default_factory=list)
+
+
+@dataclass
+class Written:
+    """A plan written as LightningCLI settings: trainer keys in the order written, callback entries, the data
+    module's batch size (``None``: unchanged)."""
+
+    trainer: dict[str, Any] = field(default_factory=dict)
+    callbacks: list[dict[str, Any]] = field(default_factory=list)
+    batch_size: int | None = None
+
+
+@dataclass
+class TrainerEdit:
+    """What :meth:`Lever.apply` may touch when ``MemoryBudget`` applies a plan to a live Trainer: the Trainer, the run
+    planned (its ``batch_size``), the ``MicroBatchSplit`` the budget owns; it collects the callbacks to add and says
+    each change in one line."""
+
+    trainer: Any
+    run: Any
+    split: Any
+    say: Callable[[str], None]
+    added: list[Any] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)
+
+    def find(self, class_path: str) -> Any:
+        """The Trainer's callback of the class ``class_path`` names (subclasses too), or ``None``."""
+        return find_callback(self.trainer, class_path)
+
+    def change(self, line: str) -> None:
+        self.changes.append(line)
+        self.say(line)
+
+
+def find_callback(trainer: Any, class_path: str) -> Any:
+    """``trainer``'s callback of the class ``class_path`` names (subclasses too), or ``None``."""
+    from lightning_memkit.common.class_paths import import_object
+
+    cls = import_object(class_path)
+    return next((c for c in trainer.callbacks if isinstance(c, cls)), None)
+
+
+class Lever:
+    """One lever; subclasses set the class attributes and override what applies to them (the defaults: one
+    choice, no words, no effect).
+
+    Attributes:
+        name: the plan's key, the word ``allow`` and the command line use.
+        kind: ``"work"`` (its stronger choices add work: recomputation, accumulation steps, dequantization; the
+            search tries the least work first), ``"free"`` (lowers memory without adding work: tried strongest first)
+            or ``"scale"`` (more devices: searched apart).
+        keeps_math: whether every choice trains the same model on the same samples (same losses).
+        between_steps: whether ``MemoryBudget`` may change it between steps of a run.
+        callback: the class path of the callback carrying the lever's choice in a Trainer or a config (``None``:
+            another setting carries it).
+        wraps_module: whether that callback wraps the module (``MemoryBudget`` takes it off while it copies the
+            module for an estimate).
+        default: the choice of a run that does not pull the lever.
+    """
+
+    name = ""
+    kind = "free"
+    keeps_math = True
+    between_steps = False
+    callback: str | None = None
+    wraps_module = False
+    default: Any = None
+
+    def strength(self, choice: Any) -> int:
+        """How much ``choice`` lowers memory (larger: more); choices of equal strength are interchangeable."""
+        return 0
+
+    def options(self, base: Any, run: Any) -> list[Any]:
+        """The choices ``run`` may try, ``base`` (the run as given) first, then stronger ones."""
+        return [base]
+
+    def work(self, choice: Any, base: Any) -> float:
+        """The work ``choice`` adds over ``base`` in the search's order (``kind == "work"`` only)."""
+        return float(self.strength(choice))
+
+    def words(self, choice: Any, base: Any) -> str | None:
+        """What ``choice`` changes from ``base``, in words (``None``: nothing to say)."""
+        return None
+
+    def scale_cost(self, choice: Any, base: Any, cost: float, run: Any) -> float:
+        """The step time model's cost of a plan with ``choice`` from ``cost``, that of its fake step."""
+        return cost
+
+    def to_step(self, choice: Any, spec: StepSpec) -> None:
+        """Set ``choice`` on the fake step's settings."""
+
+    def write_hf(self, plan: Any, run: Any, out: Written) -> None:
+        """Write ``plan``'s choice for an HF-config run (a fragment of the user's trainer config)."""
+
+    def write_config(self, plan: Any, run: Any, out: Written) -> None:
+        """Write ``plan``'s choice as the edit of a LightningCLI config run's settings."""
+
+    def write_module(self, plan: Any, run: Any, out: Written) -> None:
+        """Write ``plan``'s choice, where it differs from the run as built, for a module run."""
+
+    def read_trainer(self, trainer: Any) -> Any:
+        """The choice a live Trainer runs with."""
+        return None
+
+    def apply(self, choice: Any, base: Any, edit: TrainerEdit) -> None:
+        """Make the Trainer of ``edit`` run ``choice`` instead of ``base``."""
+        raise NotImplementedError(f"the {self.name} lever is not applied to a running Trainer")
+
+    def __repr__(self) -> str:
+        return f"<lever {self.name}>"

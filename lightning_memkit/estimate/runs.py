@@ -1,0 +1,95 @@
+"""What the planner plans on: a run (an HF config, a LightningCLI config, a module as built) as one typed
+:class:`Run` protocol, and :class:`LeverRun`, the base the three kinds share (their plans: the product of every
+lever's options; a plan's fake-step settings).
+
+Example (a run of the simplest kind: what each lever may try)::
+
+    >>> from lightning_memkit.estimate.levers import Plan
+    >>> from lightning_memkit.estimate.runs import LeverRun
+    >>> class Run(LeverRun):
+    ...     allow = ("recompute",)
+    ...     base = Plan(micro_batch=4)
+    >>> [p["recompute"] for p in Run().axes()]
+    [None, 'selective', 'full']
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from lightning_memkit.estimate.levers import LEVERS, Plan, StepSpec, Written
+
+__all__ = ["LeverRun", "Run"]
+
+
+@runtime_checkable
+class Run(Protocol):
+    """A run the planner can search: the plan as given, the plans to try, their estimates and their YAML."""
+
+    base: Plan
+    batch_size: int
+
+    def allows(self, lever: str) -> bool: ...
+
+    def axes(self) -> Iterator[Plan]: ...
+
+    def pipelines(self) -> Iterator[Plan]: ...
+
+    def estimate(self, plan: Plan) -> Any: ...
+
+    def fragment(self, plan: Plan) -> dict[str, Any]: ...
+
+    def notes(self, plan: Plan) -> list[str]: ...
+
+
+class LeverRun:
+    """The levers' side of a run. Subclasses set ``base``, ``batch_size``, ``allow`` (the levers a plan may pull:
+    ``None``, all of them) and answer what the levers ask: ``precision_fixed`` (a plugin sets the dtype),
+    ``has_causal_lm`` (a loss to fuse), ``splits_inside_step`` (micro-batches inside the training step)."""
+
+    kind = "module"
+    allow: tuple[str, ...] | None = None
+    base: Plan
+    batch_size = 0
+    precision_fixed = False
+    has_causal_lm = False
+    splits_inside_step = False
+
+    def allows(self, lever: str) -> bool:
+        return self.allow is None or lever in self.allow
+
+    def axes(self) -> Iterator[Plan]:
+        """Every combination of the levers' options (each lever's choice as given first)."""
+        names = [x.name for x in LEVERS]
+        for values in itertools.product(*(x.options(self.base[x.name], self) for x in LEVERS)):
+            yield Plan(dict(zip(names, values, strict=True)))
+
+    def pipelines(self) -> Iterator[Plan]:
+        return iter(())
+
+    def step_spec(self, plan: Plan) -> StepSpec:
+        """The fake step's settings for ``plan``."""
+        spec = StepSpec()
+        for x in LEVERS:
+            x.to_step(plan[x.name], spec)
+        return spec
+
+    def written(self, plan: Plan) -> Written:
+        """``plan`` written as LightningCLI settings for this kind of run."""
+        out = Written()
+        for x in LEVERS:
+            getattr(x, f"write_{self.kind}")(plan, self, out)
+        return out
+
+    def fragment(self, plan: Plan) -> dict[str, Any]:
+        """``plan`` as a LightningCLI ``trainer`` fragment (the callbacks last)."""
+        out = self.written(plan)
+        trainer = dict(out.trainer)
+        if out.callbacks:
+            trainer["callbacks"] = out.callbacks
+        return {"trainer": trainer}
+
+    def notes(self, plan: Plan) -> list[str]:
+        return []
