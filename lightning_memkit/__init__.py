@@ -3,10 +3,11 @@
 The public names below are imported on first access (PEP 562), so ``import lightning_memkit`` and the
 pure-torch subpackages (``lightning_memkit.ops``, ``lightning_memkit.memory``) never import Lightning.
 
-``strategy="memkit_pipeline"`` is registered with Lightning's ``StrategyRegistry`` as soon as both this
-package and ``lightning.pytorch`` are imported, in either order: at once if ``lightning.pytorch`` is already
-imported, otherwise right after it finishes importing (a one-shot import hook), and again (harmlessly) on
-access of :class:`MemkitPipelineStrategy`.
+``strategy="memkit_pipeline"`` is registered with Lightning's ``StrategyRegistry`` (a factory that imports the
+strategy when a Trainer asks for it) by ``import lightning_memkit`` once ``lightning.pytorch`` is imported, and by
+every part of the package that imports Lightning (``lightning_memkit.callbacks``, ``.plugins``, ``.strategies``,
+``memkit``'s configs). A script that imports this package before Lightning and names the strategy only as a string
+calls :func:`register_pipeline_strategy` (or imports one of those).
 
 Example::
 
@@ -19,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 from typing import Any
 
@@ -78,9 +78,8 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), after=_registere
 
 
 def register_pipeline_strategy() -> None:
-    """Register ``strategy="memkit_pipeline"`` in Lightning's ``StrategyRegistry`` (idempotent).
-
-    Imports ``lightning.pytorch``; called for you (see the module docstring).
+    """Register ``strategy="memkit_pipeline"`` in Lightning's ``StrategyRegistry`` (idempotent; the strategy's module
+    is imported when a Trainer asks for it).
 
     Example::
 
@@ -90,63 +89,18 @@ def register_pipeline_strategy() -> None:
         >>> "memkit_pipeline" in StrategyRegistry
         True
     """
-    module = sys.modules.get("lightning_memkit.strategies.pipeline")
-    if module is not None and not hasattr(module, "MemkitPipelineStrategy"):
-        return  # that module is importing Lightning right now: it registers its class itself once defined
     from lightning.pytorch.strategies import StrategyRegistry
 
+    if "memkit_pipeline" not in StrategyRegistry:
+        StrategyRegistry.register("memkit_pipeline", _pipeline_strategy,
+                                  description="Pipeline parallelism with memory-balanced stages (lightning_memkit)")
+
+
+def _pipeline_strategy(**kwargs: Any) -> Any:
     from lightning_memkit.strategies.pipeline import MemkitPipelineStrategy
 
-    MemkitPipelineStrategy.register_strategies(StrategyRegistry)
+    return MemkitPipelineStrategy(**kwargs)
 
 
-class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """One-shot ``sys.meta_path`` hook: once ``lightning.pytorch`` has executed, register the strategy.
-
-    It finds ``lightning.pytorch``'s spec with the finders after it, lends that spec itself as loader for
-    the one ``exec_module`` call, puts the original loader back, and leaves ``sys.meta_path`` at once.
-    """
-
-    target = "lightning.pytorch"
-
-    def __init__(self) -> None:
-        self._loader: Any = None
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.target or self._loader is not None:
-            return None
-        self.uninstall()
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec  # not a loader we can wrap: leave the import alone
-        self._loader, spec.loader = spec.loader, self
-        return spec
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        loader = self._loader
-        module.__loader__ = module.__spec__.loader = loader  # the module keeps its own loader
-        loader.exec_module(module)
-        register_pipeline_strategy()
-
-    def uninstall(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-
-
-def _install_registration() -> None:
-    if "lightning.pytorch" in sys.modules:
-        register_pipeline_strategy()
-    elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterAfterImport())
-
-
-_install_registration()
+if "lightning.pytorch" in sys.modules:
+    register_pipeline_strategy()

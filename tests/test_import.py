@@ -115,7 +115,7 @@ REGISTRY_CHECK = """
 
 ORDERS = [
     "import lightning.pytorch\nimport lightning_memkit",                  # Lightning first: registered at once
-    "import lightning_memkit\nimport lightning.pytorch",                  # memkit first: registered by the hook
+    "import lightning_memkit\nimport lightning.pytorch",                  # memkit first: by the strategy module
     "from lightning_memkit.strategies import MemkitPipelineStrategy",   # the strategy module imports Lightning
     # the same hook reached through other modules; each order costs a fresh interpreter importing Lightning
     pytest.param("import lightning_memkit\nimport lightning", marks=pytest.mark.slow),  # the top-level package
@@ -128,11 +128,21 @@ _ORDER_TEXT = [o.values[0] if hasattr(o, "values") else o for o in ORDERS]
 
 HOOK_CHECK = """
     import sys
+    before = list(sys.meta_path)
+    import lightning_memkit, lightning_memkit.ops, lightning_memkit.memory
+    print(sys.meta_path == before, "lightning.pytorch" in sys.modules)
+"""
+CALLBACKS_REGISTER = """
+    import sys
     import lightning_memkit
-    hooks = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
-    import json, lightning_memkit.ops, lightning_memkit.memory  # unrelated imports: hook stays, untouched
-    still = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
-    print(len(hooks), still == hooks, "lightning.pytorch" in sys.modules)
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import StrategyRegistry
+    print("memkit_pipeline" in StrategyRegistry)
+    from lightning_memkit.callbacks import PeakMemoryMonitor  # registers a factory; the strategy is not imported
+    print("memkit_pipeline" in StrategyRegistry, "lightning_memkit.strategies.pipeline" in sys.modules)
+    trainer = Trainer(strategy="memkit_pipeline", accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    print(type(trainer.strategy).__name__)
 """
 EVERY_SUBMODULE = """
     import importlib, pkgutil
@@ -153,20 +163,26 @@ def fresh() -> dict[str, subprocess.CompletedProcess]:
     run_slow = os.environ.get("MEMKIT_RUN_SLOW", "") == "1"  # as tests/conftest.py reads it
     orders = _ORDER_TEXT if run_slow else [o for o in ORDERS if isinstance(o, str)]
     snippets = {first: "import sys\n" + first + textwrap.dedent(REGISTRY_CHECK) for first in orders}
-    return forked({**snippets, "hook": HOOK_CHECK, "every submodule": (EVERY_SUBMODULE, "default")},
+    return forked({**snippets, "hook": HOOK_CHECK, "callbacks": CALLBACKS_REGISTER,
+                   "every submodule": (EVERY_SUBMODULE, "default")},
                   ("torch", "torch._dynamo", "torchmetrics"))
 
 
 @pytest.mark.parametrize("first", ORDERS)
 def test_memkit_pipeline_is_registered_whichever_is_imported_first(first, fresh):
     assert fresh[first].returncode == 0, fresh[first].stderr
-    # the hook left sys.meta_path and lightning.pytorch kept its own loader
+    # no import hook anywhere; lightning.pytorch keeps its own loader
     assert fresh[first].stdout.split("\n")[-2] == "True True [] SourceFileLoader SourceFileLoader"
 
 
-def test_the_hook_waits_for_lightning_and_leaves_other_imports_alone(fresh):
+def test_importing_the_package_installs_no_import_hook_and_imports_no_lightning(fresh):
     assert fresh["hook"].returncode == 0, fresh["hook"].stderr
-    assert fresh["hook"].stdout.strip() == "1 True False"
+    assert fresh["hook"].stdout.strip() == "True False"
+
+
+def test_a_part_that_imports_lightning_registers_the_strategy_without_importing_it(fresh):
+    assert fresh["callbacks"].returncode == 0, fresh["callbacks"].stderr
+    assert fresh["callbacks"].stdout.split() == ["False", "True", "False", "MemkitPipelineStrategy"]
 
 
 def test_importing_every_submodule_prints_nothing(fresh):

@@ -1,6 +1,7 @@
 """Lightning callbacks, one feature each: when (which hook, which rank) to measure, cut or release memory; the
 work itself is done by the core folders (``measure``, ``release``, ``recompute``, ``ops``, ``loading``)."""
 
+from lightning_memkit import register_pipeline_strategy
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.allocator_warmup_guard import AllocatorWarmupGuard
 from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
@@ -24,3 +25,5 @@ __all__ = [
     "SavedTensorProfiler",
     "StageBoundaryRelease",
 ]
+
+register_pipeline_strategy()  # strategy="memkit_pipeline" works once Lightning is imported with this
