@@ -8,6 +8,9 @@ from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCro
 from lightning_memkit.callbacks.memory_budget import MemoryBudget
 from lightning_memkit.callbacks.micro_batch_split import MicroBatchSplit
 from lightning_memkit.callbacks.mxfp4_loading import MXFP4CheckpointLoader
+from lightning_memkit.callbacks.offload_optimizer import OffloadOptimizer
+from lightning_memkit.callbacks.optimizer_8bit import Optimizer8bit
+from lightning_memkit.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
 from lightning_memkit.callbacks.phase_memory_release import PhaseMemoryRelease
 from lightning_memkit.callbacks.saved_tensor_profiler import SavedTensorProfiler
@@ -21,6 +24,9 @@ __all__ = [
     "MemoryBudget",
     "MicroBatchSplit",
     "MXFP4CheckpointLoader",
+    "OffloadOptimizer",
+    "Optimizer8bit",
+    "OptimizerInBackward",
     "PeakMemoryMonitor",
     "SavedTensorProfiler",
     "StageBoundaryRelease",
