@@ -79,7 +79,7 @@ STEPS: tuple[Step, ...] = (
                          "'triton', triton.__version__)"), 10, True, always=True),
     _pytest("tests-ops", ["tests/ops", "tests/loading"], 45, True),
     _pytest("tests-memory", ["tests/measure", "tests/release", "tests/recompute", "tests/callbacks", "tests/demo",
-                             "tests/common"],
+                             "tests/common", "tests/offload", "tests/optim"],
             45, True),
     _pytest("tests-docs", ["tests/test_docs.py", "tests/test_demo_doc.py", "tests/test_bench_docs.py"], 25, True),
     _pytest("tests-models", ["tests/hf", "tests/plugins", "tests/estimate", "tests/finetune"], 50, False),

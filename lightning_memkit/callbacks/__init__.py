@@ -3,6 +3,7 @@ work itself is done by the core folders (``measure``, ``release``, ``recompute``
 
 from lightning_memkit import register_pipeline_strategy
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memkit.callbacks.activation_offloading import ActivationOffloading
 from lightning_memkit.callbacks.allocator_warmup_guard import AllocatorWarmupGuard
 from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
 from lightning_memkit.callbacks.memory_budget import MemoryBudget
@@ -18,6 +19,7 @@ from lightning_memkit.callbacks.stage_boundary_release import StageBoundaryRelea
 
 __all__ = [
     "ActivationCheckpointing",
+    "ActivationOffloading",
     "PhaseMemoryRelease",
     "AllocatorWarmupGuard",
     "FusedLinearCrossEntropy",

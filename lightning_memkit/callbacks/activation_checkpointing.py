@@ -24,12 +24,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
-from lightning_memkit.callbacks.phase_memory_release import drop_model_log_refs
+from lightning_memkit.callbacks.fit_scoped import FitScopedCallback
 from lightning_memkit.common.progress import WorkProgress, progress_enabled
 from lightning_memkit.common.step_output import training_loss
 from lightning_memkit.common.validation import check_bool, check_int
@@ -45,8 +44,8 @@ from lightning_memkit.recompute.activation_recompute import (
     describe_policy,
     repeated_blocks,
     resolve_policy,
-    select_modules,
 )
+from lightning_memkit.recompute.blocks import AUTO, choose_blocks
 from lightning_memkit.recompute.plan import (
     CheckpointPlan,
     RecomputeCostMeter,
@@ -60,11 +59,8 @@ from lightning_memkit.recompute.plan import (
 
 __all__ = ["ActivationCheckpointing", "AUTO"]
 
-AUTO = "auto"
-
 _OWN_POLICY = {"DeepSpeedStrategy": "DeepSpeedStrategy(partition_activations=..., cpu_checkpointing=...)"}
 _SHARDED = ("FSDPStrategy", "ModelParallelStrategy")  # recompute runs inside their units; no budget planning
-_WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 _MAX_PROBES = 4  # mixed plans: measured plans tried (the cheapest that fits is kept)
 
 
@@ -72,59 +68,11 @@ def _mute(*_args: Any, **_kwargs: Any) -> None:
     """Stands in for ``log``/``log_dict`` during planning runs (one object: a compiled step is not re-guarded)."""
 
 
-def _unwrap_compiled(name: str, module: nn.Module) -> tuple[str, nn.Module]:
-    """A ``torch.compile``d module stands for the module it compiles: the recompute is traced inside its graph."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    while isinstance(module, OptimizedModule):
-        name, module = f"{name}._orig_mod" if name else "_orig_mod", module._orig_mod
-    return name, module
-
-
 def _strategy_kind(strategy: Any) -> str | None:
     for cls in type(strategy).__mro__:
         if cls.__name__ in _OWN_POLICY or cls.__name__ in _SHARDED:
             return cls.__name__
     return None
-
-
-def _clean_name(name: str) -> str:
-    """``blocks.0._fsdp_wrapped_module`` -> ``blocks.0``: the name the module has without the FSDP1 wrappers."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
-
-
-def _unit_kinds() -> tuple[type, ...]:
-    """The module classes that make an FSDP unit: FSDP1 ``FullyShardedDataParallel`` and FSDP2 ``FSDPModule``."""
-    if not torch.distributed.is_available():
-        return ()
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return (FullyShardedDataParallel, FSDPModule)
-
-
-def _unwrap_fsdp(name: str, module: nn.Module) -> tuple[str, nn.Module]:
-    """An FSDP1 unit stands for the module it wraps: recompute runs inside it, after its parameters are gathered."""
-    if torch.distributed.is_available():
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        while isinstance(module, FullyShardedDataParallel):
-            name, module = f"{name}._fsdp_wrapped_module" if name else "_fsdp_wrapped_module", module.module
-    return name, module
-
-
-def _self_recomputing(model: nn.Module) -> list[str]:
-    """Names of the modules wrapped in torch's ``CheckpointWrapper`` (``FSDPStrategy(activation_checkpointing_
-    policy=...)``, ``apply_activation_checkpointing`` or ``checkpoint_wrapper`` in ``configure_model``)."""
-    if not torch.distributed.is_available():
-        return []
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    return [name for name, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
-
-
-def _related(a: str, b: str) -> bool:
-    """Whether module ``a`` is ``b``, inside it or around it (qualified names; ``""`` is the root)."""
-    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -154,7 +102,7 @@ def _patched(obj: Any, **attrs: Any) -> Iterator[None]:
                 delattr(obj, name)
 
 
-class ActivationCheckpointing(Callback):
+class ActivationCheckpointing(FitScopedCallback):
     """Recompute the chosen submodules during backward instead of keeping their activations.
 
     ``policy`` picks candidate submodules. ``"auto"`` (the default) takes every Hugging Face decoder layer
@@ -350,62 +298,16 @@ class ActivationCheckpointing(Callback):
                 f"planning runs on the first batch); step peak {plan.baseline_peak:,} -> {self.measured_peak_bytes:,} "
                 f"bytes measured, budget {plan.budget_bytes:,} bytes")
 
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._restore()
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._restore()
-        drop_model_log_refs([self], pl_module)  # Lightning's callback.log would keep the model alive
-
     # -- work --------------------------------------------------------------------------------------
     def _select(self, pl_module: LightningModule) -> list[tuple[str, nn.Module]]:
-        """The candidate modules; raises when nothing matches or when they already recompute themselves.
+        """The candidate modules (:func:`~lightning_memkit.recompute.blocks.choose_blocks`); raises when nothing
+        matches, when they already recompute themselves or when one holds an FSDP unit.
 
         Names are those of the unwrapped model (``blocks.0``, also under ``FSDPStrategy``); an FSDP1 unit
         chosen (``policy="auto"`` finds the ``ModuleList`` of wrapped blocks) stands for the module it wraps.
         """
-        if self.policy != AUTO:
-            chosen = select_modules(pl_module, self.policy)  # raises, listing the classes, when nothing matches
-        else:
-            chosen = decoder_layers(pl_module) or repeated_blocks(pl_module)
-            if not chosen:
-                raise ValueError(
-                    f"ActivationCheckpointing(policy='auto') found in {type(pl_module).__name__} neither Hugging Face "
-                    "decoder layers (transformers GradientCheckpointingLayer) nor an nn.ModuleList of same-class "
-                    "blocks; pass policy= with the module classes to recompute"
-                )
-        chosen = [_unwrap_compiled(*_unwrap_fsdp(name, m)) for name, m in chosen]
-        wrapped = _self_recomputing(pl_module)
-        own = [name for name, m in chosen if getattr(m, "gradient_checkpointing", False) is True
-               or any(_related(name, w) for w in wrapped)]
-        if own:
-            own = [_clean_name(name) for name in own]
-            raise ValueError(
-                f"{len(own)} chosen layers ({', '.join(own[:3])}{', ...' if len(own) > 3 else ''}) already recompute "
-                "themselves (Hugging Face activation_checkpointing_enable() or gradient_checkpointing_enable(), or "
-                "torch's checkpoint_wrapper: FSDPStrategy(activation_checkpointing_policy=...), "
-                "apply_activation_checkpointing in configure_model); call model.activation_checkpointing_disable() "
-                "(Hugging Face), drop the wrapper or policy, or remove ActivationCheckpointing"
-            )
-        self._check_units(chosen)
-        return [(_clean_name(name), m) for name, m in chosen]
-
-    @staticmethod
-    def _check_units(chosen: list[tuple[str, nn.Module]]) -> None:
-        """Refuse a chosen module that holds an FSDP unit: the recompute must run inside the units, not around."""
-        kinds = _unit_kinds()
-        if not kinds:
-            return
-        for name, module in chosen:
-            inner = next((sub for sub, m in module.named_modules() if sub and isinstance(m, kinds)), None)
-            if inner is not None:
-                raise ValueError(
-                    f"ActivationCheckpointing would recompute {_clean_name(name) or 'the whole model'} "
-                    f"({type(module).__name__}), which contains the FSDP unit {_clean_name(inner)}: recompute must run "
-                    "inside FSDP units, after they have gathered their weights. Pass policy= with the classes of the "
-                    "sharded blocks or of modules inside them"
-                )
+        return choose_blocks(pl_module, self.policy, owner="ActivationCheckpointing",
+                             finders=(decoder_layers, repeated_blocks))
 
     def _cache_off(self, pl_module: LightningModule) -> None:
         stack = contextlib.ExitStack()

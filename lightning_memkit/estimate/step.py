@@ -121,6 +121,7 @@ class MemoryEstimate:
     seconds: float = 0.0
     step_flops: int = 0  # matmul/attention FLOPs of the step (FlopCount), recomputation included
     step_bytes: int = 0  # bytes of the storages the step creates (what its memory-bound ops write)
+    host_bytes: int = 0  # the step's peak of host memory (offloaded bytes), apart from the device peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,6 +152,8 @@ class MemoryEstimate:
         """Lines under the table: where each phase peaks, the assumptions, the time taken."""
         where = [f"{p.phase} peaks in {p.peak_layer}" for p in self.phases[1:] if p.peak_layer]
         lines = [f"{'; '.join(where)}"] if where else []
+        if self.host_bytes:
+            lines.append(f"host memory (offloaded) at its step peak: {format_bytes(self.host_bytes)}")
         lines += [f"assumption: {a}" for a in self.assumptions]
         return "\n".join([*lines, f"estimated in {self.seconds:.1f} s"])
 
@@ -530,13 +533,15 @@ class StepTrace:
     foreach_bytes: int = 0
     log: EventLog | None = None
     layers: list[str] = field(default_factory=list)
+    host_bytes: int = 0  # the recorded step's host peak (offloaded bytes)
 
     def estimate(self, optimizer: str, seconds: float) -> MemoryEstimate:
         return MemoryEstimate(phases=self.phases, peak_bytes=max(p.peak_bytes for p in self.phases[1:]),
                               parameters=self.parameters, trainable_parameters=self.trainable_parameters,
                               optimizer=optimizer, precision=self.precision, features=self.features,
                               assumptions=_assumptions(any("MoE" in f for f in self.features), self.target),
-                              seconds=seconds, step_flops=self.flops, step_bytes=self.allocated)
+                              seconds=seconds, step_flops=self.flops, step_bytes=self.allocated,
+                              host_bytes=self.host_bytes)
 
 
 class WarmupMismatch(RuntimeError):
@@ -606,9 +611,10 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         counts = (sum(p.numel() for p in model.parameters()),
                   sum(p.numel() for g in optim.param_groups for p in g["params"]))
         layers = [name for name, _ in blocks]
+        host = max(tracker.host_peaks.get(name, 0) for name in STEP_PHASES)
         del run, model, optim, blocks
     return StepTrace(phases, counts[0], counts[1], precision if plugin is None else type(plugin).__name__, features,
-                     fast.flops, tracker.allocated, target, foreach, events, layers)
+                     fast.flops, tracker.allocated, target, foreach, events, layers, host)
 
 
 def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],

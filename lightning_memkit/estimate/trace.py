@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memkit.measure.live_peak import LivePeak, StorageEntry
+from lightning_memkit.measure.live_peak import HOST, LivePeak, StorageEntry, device_key
 from lightning_memkit.measure.storage import has_storage, iter_op_tensors, storage_key, storage_of
 
 __all__ = ["CATEGORIES", "CategoryTracker", "EventLog", "ExpertRouting", "FakeKernelGaps", "FlopCount", "PhasePeak",
@@ -114,7 +114,9 @@ class CategoryTracker(LivePeak):
 
     New storages get :attr:`category`; :meth:`move` refiles storages. :meth:`start_phase` opens a phase
     whose high-water mark starts from the bytes alive now; ``phase_peaks[name]`` holds its
-    :class:`PhasePeak`. ``clock`` (optional) names the running module at each peak.
+    :class:`PhasePeak`. ``clock`` (optional) names the running module at each peak. Host storages
+    (:func:`~lightning_memkit.measure.live_peak.host_memory`, ``note_host``: offloaded bytes) are in no category
+    total and no phase peak, which count device bytes; ``host_peaks[name]`` is each phase's host high-water mark.
     """
 
     def __init__(self, clock: ModuleClock | None = None):
@@ -122,6 +124,7 @@ class CategoryTracker(LivePeak):
         self.category = "transient"
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.phase_peaks: dict[str, PhasePeak] = {}
+        self.host_peaks: dict[str, int] = {}
         self.phase: str | None = None
         self.clock = clock
         self.serial = 0
@@ -135,6 +138,7 @@ class CategoryTracker(LivePeak):
         self.phase = name
         if name is not None:
             self.phase_peaks[name] = PhasePeak()
+            self.host_peaks[name] = self.host_live_bytes
             self._snapshot()
             if self.log is not None:
                 self.log.start(self)
@@ -156,8 +160,9 @@ class CategoryTracker(LivePeak):
     def _refile(self, entry: StorageEntry | None, category: str, unless: tuple[str, ...]) -> None:
         if entry is None or entry.tag[0] == category or entry.tag[0] in unless:
             return
-        self.totals[entry.tag[0]] -= entry.nbytes
-        self.totals[category] += entry.nbytes
+        if entry.device != HOST:
+            self.totals[entry.tag[0]] -= entry.nbytes
+            self.totals[category] += entry.nbytes
         entry.tag[0] = category
 
     # -- LivePeak's bookkeeping, with the category totals kept alongside -----------------------------
@@ -168,15 +173,19 @@ class CategoryTracker(LivePeak):
     def _add(self, t: torch.Tensor, key: int) -> None:
         storage = storage_of(t)
         nbytes = storage.nbytes()
+        device = device_key(t)
         tag = [self.category, self.serial]
         self.serial += 1
-        if self.phase is not None:
-            self.allocated += nbytes
         ref = weakref.ref(storage, lambda _r, key=key: self._remove(key))
         with self._lock:
-            self._entries[key] = StorageEntry(nbytes, str(t.device), tag, ref)
+            self._entries[key] = StorageEntry(nbytes, device, tag, ref)
+            if device == HOST:  # offloaded: not in the device totals, the step's bytes or the composition's rows
+                self._change(device, nbytes)
+                return
+            if self.phase is not None:
+                self.allocated += nbytes
             self.totals[tag[0]] += nbytes
-            self._change(str(t.device), nbytes)
+            self._change(device, nbytes)
             if self.log is not None and self.phase is not None:
                 self.log.note(self, key, nbytes, tag[1])
 
@@ -184,7 +193,8 @@ class CategoryTracker(LivePeak):
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is not None:
-                self.totals[entry.tag[0]] -= entry.nbytes
+                if entry.device != HOST:
+                    self.totals[entry.tag[0]] -= entry.nbytes
                 self._change(entry.device, -entry.nbytes)
                 if self.log is not None:
                     self.log.owner.pop(key, None)
@@ -195,13 +205,25 @@ class CategoryTracker(LivePeak):
             return
         with self._lock:
             delta = storage_of(t).nbytes() - entry.nbytes
-            self.totals[entry.tag[0]] += delta
+            if entry.device != HOST:
+                self.totals[entry.tag[0]] += delta
             entry.nbytes += delta
             self._change(entry.device, delta)
 
+    def _to_host(self, t: torch.Tensor) -> None:
+        with self._lock:
+            entry = self._entries.get(storage_key(t)) if has_storage(t) else None
+            if entry is not None and entry.device != HOST:
+                self.totals[entry.tag[0]] -= entry.nbytes
+            super()._to_host(t)
+
     def _change(self, device: str, delta: int) -> None:
         super()._change(device, delta)
-        if self.phase is not None and delta > 0 and self.live_bytes > self.phase_peaks[self.phase].peak_bytes:
+        if self.phase is None:
+            return
+        if device == HOST:
+            self.host_peaks[self.phase] = max(self.host_peaks[self.phase], self.host_live_bytes)
+        elif delta > 0 and self.live_bytes > self.phase_peaks[self.phase].peak_bytes:
             self._snapshot()
 
     def _snapshot(self) -> None:

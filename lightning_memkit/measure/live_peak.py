@@ -44,7 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from lightning_memkit.measure.allocator_peak import excluded_range
 from lightning_memkit.measure.storage import has_storage, iter_op_tensors, storage_key, storage_of
 
-__all__ = ["HOST", "LivePeak", "DeviceBytes", "host_memory", "note_host", "note_storage_resized", "unmeasured"]
+__all__ = ["HOST", "LivePeak", "DeviceBytes", "device_key", "host_memory", "note_host", "note_storage_resized",
+           "unmeasured"]
 
 HOST = "host"  # the key of the bytes offloaded to host memory (pinned or not), counted apart from every device
 _ACTIVE: list[LivePeak] = []  # trackers currently inside their block, innermost last
@@ -81,7 +82,9 @@ def note_host(t: torch.Tensor) -> None:
         tracker._to_host(t)
 
 
-def _device_key(t: torch.Tensor) -> str:
+def device_key(t: torch.Tensor) -> str:
+    """Where a storage made now for ``t`` is counted: :data:`HOST` for a CPU tensor inside :func:`host_memory`, else
+    ``str(t.device)``."""
     return HOST if t.device.type == "cpu" and getattr(_STATE, "host", False) else str(t.device)
 
 
@@ -339,7 +342,7 @@ class LivePeak:
     def _add(self, t: torch.Tensor, key: int) -> None:
         storage = storage_of(t)
         nbytes = storage.nbytes()
-        device = _device_key(t)
+        device = device_key(t)
         tag = self._tag() if self._tag is not None else None
         ref = weakref.ref(storage, lambda _r, key=key: self._remove(key))
         with self._lock:
