@@ -67,6 +67,18 @@ def _config_checkpoint(callbacks: list[Any]) -> dict[str, Any]:
     return {"checkpoint": mode, "policy": args.get("policy") or "auto"}
 
 
+def _lever_spec(trainer: dict[str, Any]) -> Any:
+    """The fake-step settings of the levers a config's trainer reads itself (the optimizer-state callbacks)."""
+    from lightning_memkit.estimate.levers import LEVERS, StepSpec
+
+    spec = StepSpec()
+    for lever in LEVERS:
+        choice = lever.read_config(trainer)
+        if choice is not None:
+            lever.to_step(choice, spec)
+    return spec
+
+
 class _Batches:
     """The config's training batches, one per call, from its data module, made at the first call unless
     :meth:`start` made it before. Made inside the estimate (a CPU run), the data module's tensors count as
@@ -111,10 +123,14 @@ def estimate_parsed_config(parsed: dict[str, Any]) -> MemoryEstimate:
     if trainer.get("accelerator") not in ("cpu", None):  # the dataset stays in host memory: not counted
         batches.start()
     mode = features["checkpoint"]
-    patches = hf_patches(mode is not None, features["fused"])
+    spec = _lever_spec(trainer)
+    patches = [*hf_patches(mode is not None, features["fused"]), *spec.patches]
+    optimizer = configured_optimizer
+    for wrap in spec.optimizer:
+        optimizer = wrap(optimizer)
     model_entry = parsed["model"]
     return estimate_training_memory(lambda: instantiate(model_entry), batches, loss_fn=step_loss,
-                                    optimizer=configured_optimizer, precision=features["precision"],
+                                    optimizer=optimizer, precision=features["precision"],
                                     checkpoint=features["policy"] if mode else None, checkpoint_mode=mode or "full",
                                     patches=patches, plugin=features["plugin"],
                                     zero_grad="accumulate" if features["accumulate"] else "after_forward",

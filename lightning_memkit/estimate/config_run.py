@@ -50,7 +50,9 @@ class ConfigRun(LeverRun):
                          recompute=features["checkpoint"], fused_loss=features["fused"], micro_batch=self.batch_size)
         self.lora_rank = getattr(plugin, "lora_rank", 0)
         self.precision_fixed = plugin is not None
-        self.has_causal_lm = _has_hf_model(self.parsed["model"])
+        self.has_causal_lm, self.optimizer_name = _model_facts(self.parsed["model"])
+        self.base = self.base.replace(**{x.name: x.read_config(trainer) for x in LEVERS
+                                         if x.read_config(trainer) is not None})
 
     def edited(self, plan: Plan) -> dict[str, Any]:
         """The parsed config with ``plan`` applied."""
@@ -83,19 +85,25 @@ class ConfigRun(LeverRun):
         return [f"memkit fit --config {self.config} --config this.yaml"]
 
 
-def _has_hf_model(model_entry: dict[str, Any]) -> bool:
+def _model_facts(model_entry: dict[str, Any]) -> tuple[bool, str | None]:
     """Whether the config's model has a causal LM the ``FusedLinearCrossEntropy`` callback can patch (its
-    ``find_causal_lms``), built on fake tensors."""
+    ``find_causal_lms``), and the class name of the optimizer it configures (``None`` where it cannot say); the model
+    built on fake tensors."""
     from lightning_memkit.common.class_paths import instantiate
+    from lightning_memkit.estimate.step import configured_optimizer
     from lightning_memkit.estimate.trace import fake_tensors
     from lightning_memkit.hf.fused_loss import find_causal_lms
 
     with fake_tensors():
         model = instantiate(model_entry)
+        try:
+            optimizer = type(configured_optimizer(model)).__name__
+        except Exception:  # noqa: BLE001 - only narrows the levers offered; the estimate reports the error itself
+            optimizer = None
     try:
-        return bool(find_causal_lms(model))
+        return bool(find_causal_lms(model)), optimizer
     except (ValueError, ImportError):
-        return False
+        return False, optimizer
 
 
 def _with_callbacks(callbacks: list[Any], planned: list[dict[str, Any]]) -> list[Any]:

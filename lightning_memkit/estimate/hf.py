@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,8 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
                             optimizer: str = "adamw", activation_checkpointing: bool | str = False,
                             fused_loss: bool = False, plugin: str | None = None,
                             lora_rank: int = DEFAULT_LORA_RANK, accumulate: bool = False,
-                            device: str = "cuda", compose: bool | str = "auto") -> MemoryEstimate:
+                            device: str = "cuda", compose: bool | str = "auto", patches: Sequence[Any] = (),
+                            optimizer_wraps: Sequence[Any] = ()) -> MemoryEstimate:
     """Estimate one training step of the causal LM described by the HF ``config.json`` at ``path``.
 
     The batch is ``input_ids`` and ``labels`` of ``(batch_size, seq_len)``; the loss is the model's own
@@ -98,12 +100,16 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
     check_positions(seq_len, config, path)
     start = time.perf_counter()
     make_optimizer, optimizer_name = resolve_optimizer(optimizer, None)
+    for wrap in optimizer_wraps:
+        make_optimizer = wrap(make_optimizer)
+        optimizer_name = getattr(make_optimizer, "__name__", optimizer_name)
     batch = _token_batch(config.vocab_size, seq_len, batch_size)
 
     def trace(cfg: Any, log: bool) -> StepTrace:
         qlora = qlora_plugin(plugin, precision, lora_rank)  # a plugin per model it converts
         run = dict(loss_fn=None, precision="32-true" if qlora else precision,
-                   checkpoint=(_hf_layer if mode else None, mode or "full"), patches=hf_patches(bool(mode), fused_loss),
+                   checkpoint=(_hf_layer if mode else None, mode or "full"),
+                   patches=[*hf_patches(bool(mode), fused_loss), *patches],
                    zero_grad="accumulate" if accumulate else "after_forward", plugin=qlora, target=device,
                    fake_batch=True, log=log)
         try:  # the first step's state made directly (half the work), checked by the recorded step

@@ -41,7 +41,7 @@ class HFRun(LeverRun):
         self.config = read_hf_config(path)  # checked before the first estimate
         check_positions(seq_len, self.config, path)
         self.path, self.seq_len, self.optimizer, self.lora_rank = Path(path), seq_len, optimizer, lora_rank
-        self.device = device
+        self.device, self.optimizer_name = device, optimizer
         self.batch_size = batch_size
         self.base = Plan(precision=precision, quantization=plugin,
                          recompute=checkpoint_mode(activation_checkpointing), fused_loss=bool(fused_loss),
@@ -58,7 +58,8 @@ class HFRun(LeverRun):
                                         batch_size=self.batch_size, **kwargs)
         return estimate_from_hf_config(self.path, batch_size=spec.rows, plugin=spec.plugin,
                                        lora_rank=self.lora_rank, accumulate=spec.rows < self.batch_size,
-                                       device=self.device, **kwargs)
+                                       device=self.device, patches=spec.patches, optimizer_wraps=spec.optimizer,
+                                       **kwargs)
 
     def pipelines(self) -> Iterator[Plan]:
         """Pipeline plans with every single-device feature on (no quantization: not estimated with stages), for the

@@ -31,6 +31,7 @@ Example (a two-layer MLP whose ``training_step`` is the loss; plans for 70% of i
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -51,7 +52,8 @@ from lightning_memkit.estimate.step import (
 
 __all__ = ["AXES", "ModuleRun", "batch_rows", "batch_tensors", "fake_copy", "micro_batch"]
 
-AXES = ("recompute", "fused_loss", "micro_batch", "precision")
+AXES = ("recompute", "fused_loss", "micro_batch", "precision", "optimizer_in_backward", "offload_optimizer",
+        "optimizer_8bit")
 _OWNER = "ModuleRun"
 
 
@@ -93,8 +95,9 @@ class ModuleRun(LeverRun):
     LM, peft-wrapped too), ``"micro_batch"`` (the batch split inside the step into micro-batches of at most a
     plan's ``micro_batch`` rows, their gradients accumulated: :class:`~lightning_memkit.callbacks.MicroBatchSplit`;
     needs rows, a common leading size of the batch's tensors, above 1) and ``"precision"`` (``bf16-true``: changes
-    the numerics, opt-in). The base plan is the run as configured (``precision``, ``checkpoint``, ``fused_loss``,
-    ``micro_batch``).
+    the numerics, opt-in), and the optimizer-state levers ``"optimizer_in_backward"``, ``"offload_optimizer"`` and
+    ``"optimizer_8bit"`` (:mod:`~lightning_memkit.estimate.levers.optimizer_state`). The base plan is the run as
+    configured (``precision``, ``checkpoint``, ``fused_loss``, ``micro_batch``, ``levers``).
 
     Args:
         module: the module (a LightningModule or any ``nn.Module`` with ``training_step`` and
@@ -104,12 +107,15 @@ class ModuleRun(LeverRun):
         keep: objects the fake copy shares instead of copying (the Trainer, data).
         plugin: a precision plugin the Trainer applies (``NoSaveBitsandbytesPrecision``), estimated as applied.
         target: ``"cpu"`` or ``"cuda"`` (:func:`~lightning_memkit.estimate.step.estimate_training_memory`).
+        levers: the choices of other levers the run already makes (``{"optimizer_in_backward": True}``).
+        refusals: lever name -> why the run cannot pull it (the Trainer's settings; one line each).
     """
 
     def __init__(self, module: nn.Module, batch: Any, *, micro_batch: int | None = None, precision: str = "32-true",
                  checkpoint: str | None = None, policy: Any = "auto", fused_loss: bool = False,
                  accumulate: int = 1, allow: Sequence[str] = ("recompute", "fused_loss", "micro_batch"),
-                 plugin: Any = None, target: str = "cpu", keep: Sequence[Any] = ()):
+                 plugin: Any = None, target: str = "cpu", keep: Sequence[Any] = (),
+                 levers: dict[str, Any] | None = None, refusals: dict[str, str] | None = None):
         bad = [a for a in allow if a not in AXES]
         if bad:
             raise ValueError(f"{_OWNER}(allow=...): {bad} not axes; allowed: {', '.join(AXES)}")
@@ -126,7 +132,21 @@ class ModuleRun(LeverRun):
         self.has_causal_lm = fused_loss or _has_causal_lm(module)
         self.precision_fixed = plugin is not None
         self.splits_inside_step = True
-        self.base = Plan(precision=precision, recompute=checkpoint, fused_loss=bool(fused_loss), micro_batch=split)
+        self.refusals = dict(refusals or {})
+        self.base = Plan({**(levers or {}), "precision": precision, "recompute": checkpoint,
+                          "fused_loss": bool(fused_loss), "micro_batch": split})
+
+    @functools.cached_property
+    def optimizer_name(self) -> str | None:
+        """The class name of the optimizer the module configures (on a fake copy), or ``None`` if it cannot say."""
+        from lightning_memkit.estimate.trace import fake_tensors
+
+        try:
+            with fake_tensors(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return type(configured_optimizer(fake_copy(self.module, self.keep))).__name__
+        except Exception:  # noqa: BLE001 - only narrows the levers offered; the estimate reports the error itself
+            return None
 
     def estimate(self, plan: Plan) -> MemoryEstimate:
         """The predicted step of the module with ``plan`` applied."""
@@ -137,13 +157,17 @@ class ModuleRun(LeverRun):
         split = rows < self.batch_size
         batch = micro_batch(self.batch, chunk_rows(self.batch_size, rows)[0][1]) if split else self.batch
         accumulating = self.accumulate > 1 or split
+        optimizer = configured_optimizer
+        for wrap in spec.optimizer:
+            optimizer = wrap(optimizer)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return estimate_training_memory(
                 lambda: fake_copy(self.module, self.keep), lambda: batch, loss_fn=step_loss,
-                optimizer=configured_optimizer, precision=spec.precision,
+                optimizer=optimizer, precision=spec.precision,
                 checkpoint=self.policy if spec.recompute else None, checkpoint_mode=spec.recompute or "full",
-                patches=hf_patches(spec.recompute is not None and self.has_causal_lm, spec.fused_loss),
+                patches=[*hf_patches(spec.recompute is not None and self.has_causal_lm, spec.fused_loss),
+                         *spec.patches],
                 plugin=self.plugin, zero_grad="accumulate" if accumulating else "after_forward", target=self.target,
                 warmup="synthetic")
 

@@ -114,12 +114,14 @@ class SearchResult:
 
 
 # -- the search --------------------------------------------------------------------------------------------------
-def _strongest(plans: list[Plan]) -> Plan:
-    """The plan every other one is at most (each axis at its strongest); the candidates are a full product."""
-    best = max(plans, key=lambda p: p.strength())
-    if not all(p.at_most(best) for p in plans):
-        raise AssertionError(f"no strongest plan among {len(plans)} candidates")  # axes() yields a product
-    return best
+def _strongest(plans: list[Plan]) -> list[Plan]:
+    """The plans no other one is stronger than, strongest first: one plan (each lever at its strongest) where the levers
+    combine freely, several where some choices exclude each other (the optimizer-state levers)."""
+    tops: list[Plan] = []
+    for plan in sorted(plans, key=lambda p: p.strength(), reverse=True):
+        if not any(plan.at_most(top) for top in tops):
+            tops.append(plan)
+    return tops
 
 
 def _probes(top: Plan, plans: list[Plan]) -> list[Plan]:
@@ -235,21 +237,24 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     search = _Search(run, lambda peak: peak * (1 + margin) <= budget_bytes, progress or (lambda _line: None),
                      max_estimates)
     ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: p.search_order(run.base))
-    top = _strongest([run.base, *ordered])
-    search.queue = [top, *(p for p in ordered if p != top)]
+    tops = _strongest([run.base, *ordered])
+    search.queue = [*tops, *(p for p in ordered if p not in tops)]
     base, base_cost = search.try_plan(run.base)
-    strongest = (base, base_cost) if top == run.base else search.try_plan(top)
-    if strongest is None or strongest[0].fits:  # None: ruled out by a fitting base (only adds work) or the limit
+    tried = [(top, (base, base_cost) if top == run.base else search.try_plan(top)) for top in tops]
+    # None: ruled out by a fitting base (only adds work) or the limit
+    open_tops = [(top, found) for top, found in tried if found is None or found[0].fits]
+    if open_tops:
+        top, strongest = open_tops[0]
         probes = _probes(top, ordered) if strongest is not None and not base.fits else []
-        rest = [p for p in ordered if p != top and p not in probes]
+        rest = [p for p in ordered if p not in tops and p not in probes]
         search.queue = [*probes, *rest]
         for plan in [*probes, *rest]:
             search.try_plan(plan)
-    else:
-        search.skipped += len(ordered) - (top != run.base)  # each is weaker than the strongest, which does not fit
+    else:  # each plan is at most one of the strongest, none of which fits
+        search.skipped += len(ordered) - sum(top != run.base for top in tops)
         search.queue = list(run.pipelines())
         for plan in list(search.queue):
-            if (found := search.try_plan(plan, strongest[1])) is not None and found[0].fits:
+            if (found := search.try_plan(plan, tried[0][1][1])) is not None and found[0].fits:
                 break
     fitting = sorted(search.fitting, key=lambda r: (r.plan["stages"], r.overhead, -sum(r.plan.strength())))
     return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped,

@@ -56,15 +56,29 @@ class LeverRun:
     precision_fixed = False
     has_causal_lm = False
     splits_inside_step = False
+    accumulate = 1
+    optimizer_name: str | None = None  # the class name of the run's optimizer, where known
+    refusals: dict[str, str] = {}  # lever name -> why the run refuses it (a Trainer's settings, read by MemoryBudget)
 
     def allows(self, lever: str) -> bool:
         return self.allow is None or lever in self.allow
 
     def axes(self) -> Iterator[Plan]:
-        """Every combination of the levers' options (each lever's choice as given first)."""
+        """Every combination of the levers' options (each lever's choice as given first) that no lever refuses."""
         names = [x.name for x in LEVERS]
         for values in itertools.product(*(x.options(self.base[x.name], self) for x in LEVERS)):
-            yield Plan(dict(zip(names, values, strict=True)))
+            plan = Plan(dict(zip(names, values, strict=True)))
+            if plan == self.base or not any(x.conflicts(plan, self) for x in LEVERS):
+                yield plan
+
+    def off_levers(self) -> dict[str, str]:
+        """The allowed levers this run cannot pull, each with why."""
+        out = {}
+        for x in LEVERS:
+            why = x.unavailable(self) if self.allows(x.name) else None
+            if why:
+                out[x.name] = why
+        return out
 
     def pipelines(self) -> Iterator[Plan]:
         return iter(())

@@ -124,6 +124,14 @@ class Lever:
         """The choices ``run`` may try, ``base`` (the run as given) first, then stronger ones."""
         return [base]
 
+    def unavailable(self, run: Any) -> str | None:
+        """Why ``run`` cannot pull this lever at all (one line), or ``None``."""
+        return None
+
+    def conflicts(self, plan: Any, run: Any) -> bool:
+        """Whether ``plan``'s choice of this lever cannot go with its other choices (the plan is not tried)."""
+        return False
+
     def work(self, choice: Any, base: Any) -> float:
         """The work ``choice`` adds over ``base`` in the search's order (``kind == "work"`` only)."""
         return float(self.strength(choice))
@@ -150,6 +158,11 @@ class Lever:
 
     def read_trainer(self, trainer: Any) -> Any:
         """The choice a live Trainer runs with."""
+        return None
+
+    def read_config(self, trainer: dict[str, Any]) -> Any:
+        """The choice a parsed config's ``trainer`` section runs with (``None``: read by the config's estimate
+        itself, :func:`~lightning_memkit.estimate.config.config_features`)."""
         return None
 
     def apply(self, choice: Any, base: Any, edit: TrainerEdit) -> None:

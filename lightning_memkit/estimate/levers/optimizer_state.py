@@ -1,0 +1,109 @@
+"""What the three optimizer-state levers share (``optimizer_in_backward``, ``offload_optimizer``, ``optimizer_8bit``):
+a choice on or off, carried by a callback that replaces the run's one optimizer, so at most one of them per plan, and
+a wrapper of the optimizer factory in the fake step (:mod:`lightning_memkit.optim`).
+
+A lever is off for a run (:meth:`OptimizerStateLever.unavailable`, one line saying why) when the run's optimizer is
+not one it can wrap, or when the run says so (``run.refusals``: what ``MemoryBudget`` reads from the Trainer, e.g.
+gradient clipping); a plan that pulls one with another, or that needs a gradient buffer the lever frees, is not
+tried (:meth:`OptimizerStateLever.conflicts`).
+
+    >>> from lightning_memkit.estimate.levers.optimizer_in_backward import OPTIMIZER_IN_BACKWARD
+    >>> OPTIMIZER_IN_BACKWARD.words(True, False), OPTIMIZER_IN_BACKWARD.entry()
+    ('optimizer step in backward', {'class_path': 'lightning_memkit.callbacks.OptimizerInBackward'})
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_memkit.estimate.levers.base import Lever, StepSpec, TrainerEdit, Written, find_callback
+
+__all__ = ["OPTIMIZER_LEVERS", "OptimizerStateLever"]
+
+OPTIMIZER_LEVERS = ("optimizer_in_backward", "offload_optimizer", "optimizer_8bit")
+
+
+class OptimizerStateLever(Lever):
+    """Base of the optimizer-state levers. Subclasses set ``name``, ``kind``, ``keeps_math``, ``callback``, ``label``
+    (plan words), ``accepts`` (optimizer class names it wraps, ``None``: torch's per-parameter ones) and define
+    :meth:`wrap`."""
+
+    default = False
+    label = ""
+    accepts: tuple[str, ...] | None = None
+    frees_gradients = False  # steps in backward: no gradient accumulation across micro-batches
+
+    def strength(self, choice: Any) -> int:
+        return int(choice)
+
+    def unavailable(self, run: Any) -> str | None:
+        """Why ``run`` cannot pull this lever, or ``None``."""
+        refused = getattr(run, "refusals", {}).get(self.name)
+        if refused:
+            return refused
+        name = getattr(run, "optimizer_name", None)
+        if name is not None and not self.takes(name):
+            return f"it wraps {', '.join(self.accepted())}, not {name}"
+        if self.frees_gradients and getattr(run, "accumulate", 1) > 1:
+            return f"accumulate_grad_batches={run.accumulate}: each backward would step the parameters at once"
+        return None
+
+    def accepted(self) -> tuple[str, ...]:
+        """The optimizer classes it wraps, by name."""
+        from lightning_memkit.optim.wrapper import SEPARABLE
+
+        return self.accepts or tuple(c.__name__ for c in SEPARABLE)
+
+    def takes(self, optimizer: str) -> bool:
+        return optimizer.lower() in {n.lower() for n in self.accepted()}
+
+    def options(self, base: Any, run: Any) -> list[Any]:
+        if base or not run.allows(self.name) or self.unavailable(run):
+            return [base]
+        return [False, True]
+
+    def conflicts(self, plan: Any, run: Any) -> bool:
+        if not plan[self.name]:
+            return False
+        others = [n for n in OPTIMIZER_LEVERS if n != self.name and n in plan and plan[n]]
+        split = 0 < plan["micro_batch"] < run.batch_size
+        return bool(others) or (self.frees_gradients and split)
+
+    def words(self, choice: Any, base: Any) -> str:
+        return self.label if choice else f"no {self.label}"
+
+    def entry(self) -> dict[str, Any]:
+        return {"class_path": self.callback}
+
+    def wrap(self, factory: Any) -> Any:
+        """The fake step's optimizer factory with the lever on."""
+        raise NotImplementedError
+
+    def to_step(self, choice: Any, spec: StepSpec) -> None:
+        if choice:
+            spec.optimizer.append(self.wrap)
+
+    def write_hf(self, plan: Any, run: Any, out: Written) -> None:
+        if plan[self.name]:
+            out.callbacks.append(self.entry())
+
+    write_config = write_hf
+
+    def write_module(self, plan: Any, run: Any, out: Written) -> None:
+        if plan[self.name] and not run.base[self.name]:
+            out.callbacks.append(self.entry())
+
+    def read_trainer(self, trainer: Any) -> Any:
+        return find_callback(trainer, self.callback) is not None
+
+    def read_config(self, trainer: dict[str, Any]) -> Any:
+        from lightning_memkit.common.class_paths import class_name
+
+        return any(class_name(c) == class_name(self.callback) for c in trainer.get("callbacks") or [])
+
+    def apply(self, choice: Any, base: Any, edit: TrainerEdit) -> None:
+        from lightning_memkit.common.class_paths import instantiate
+
+        if choice and not base:
+            edit.added.append(instantiate(self.entry()))
+            edit.change(f"{self.label} ({self.callback.rpartition('.')[2]})")
