@@ -54,9 +54,13 @@ _HOMES: dict[str, tuple[str, ...]] = {
     # the Lightning adapters: importing any of these imports lightning.pytorch
     "lightning_memkit.callbacks": (
         "ActivationCheckpointing",
+        "ActivationOffloading",
         "AllocatorWarmupGuard",
         "MemoryBudget",
         "MicroBatchSplit",
+        "OffloadOptimizer",
+        "Optimizer8bit",
+        "OptimizerInBackward",
         "PeakMemoryMonitor",
         "PhaseMemoryRelease",
         "SavedTensorProfiler",

@@ -13,7 +13,11 @@ import lightning_memkit
 
 ADAPTERS = {
     "ActivationCheckpointing": "lightning_memkit.callbacks",
+    "ActivationOffloading": "lightning_memkit.callbacks",
     "AllocatorWarmupGuard": "lightning_memkit.callbacks",
+    "OffloadOptimizer": "lightning_memkit.callbacks",
+    "Optimizer8bit": "lightning_memkit.callbacks",
+    "OptimizerInBackward": "lightning_memkit.callbacks",
     "PeakMemoryMonitor": "lightning_memkit.callbacks",
     "PhaseMemoryRelease": "lightning_memkit.callbacks",
     "SavedTensorProfiler": "lightning_memkit.callbacks",
