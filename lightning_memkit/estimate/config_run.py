@@ -49,10 +49,17 @@ class ConfigRun(LeverRun):
         self.base = Plan(precision=features["precision"], quantization=mode,
                          recompute=features["checkpoint"], fused_loss=features["fused"], micro_batch=self.batch_size)
         self.lora_rank = getattr(plugin, "lora_rank", 0)
+        self.plugin_dtype = getattr(plugin, "dtype", None)
+        self.target = "cpu" if trainer.get("accelerator") == "cpu" else "cuda"
         self.precision_fixed = plugin is not None
         self.has_causal_lm, self.optimizer_name = _model_facts(self.parsed["model"])
         self.base = self.base.replace(**{x.name: x.read_config(trainer) for x in LEVERS
                                          if x.read_config(trainer) is not None})
+
+    def compute_dtype(self, plan: Plan) -> str:
+        if self.plugin_dtype is not None:
+            return str(self.plugin_dtype).removeprefix("torch.")
+        return super().compute_dtype(plan)
 
     def edited(self, plan: Plan) -> dict[str, Any]:
         """The parsed config with ``plan`` applied."""

@@ -41,7 +41,7 @@ class HFRun(LeverRun):
         self.config = read_hf_config(path)  # checked before the first estimate
         check_positions(seq_len, self.config, path)
         self.path, self.seq_len, self.optimizer, self.lora_rank = Path(path), seq_len, optimizer, lora_rank
-        self.device, self.optimizer_name = device, optimizer
+        self.device, self.target, self.optimizer_name = device, device, optimizer
         self.batch_size = batch_size
         self.base = Plan(precision=precision, quantization=plugin,
                          recompute=checkpoint_mode(activation_checkpointing), fused_loss=bool(fused_loss),

@@ -136,6 +136,10 @@ class ModuleRun(LeverRun):
         self.base = Plan({**(levers or {}), "precision": precision, "recompute": checkpoint,
                           "fused_loss": bool(fused_loss), "micro_batch": split})
 
+    def compute_dtype(self, plan: Plan) -> str:
+        dtype = getattr(self.plugin, "dtype", None)
+        return str(dtype).removeprefix("torch.") if dtype is not None else super().compute_dtype(plan)
+
     @functools.cached_property
     def optimizer_name(self) -> str | None:
         """The class name of the optimizer the module configures (on a fake copy), or ``None`` if it cannot say."""

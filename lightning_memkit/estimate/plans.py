@@ -9,13 +9,15 @@ equal on every lever to one that does not fit is skipped without being estimated
 A plan fits when its predicted peak, plus ``margin`` of it (the estimator's accuracy goal, 5%), is within the budget.
 This module knows no concrete run.
 
-**Step time model** (a prediction, used for ranking): a step costs its matmul and attention FLOPs (counted by
-:class:`torch.utils.flop_counter.FlopCounterMode` on the fake step, recomputation included) plus
-:data:`MACHINE_BALANCE` FLOPs per byte for twice the bytes its other operators write (one write, one read);
-the ratio is a GPU's (H100 SXM: about 989 dense bf16 TFLOP/s over 3.35 TB/s of memory bandwidth). A plan's
-overhead is its steps' cost over the given run's, minus one; a pipeline of ``S`` stages and ``M``
-microbatches divides the cost by ``S`` and adds the 1F1B bubble ``(S - 1) / M``. Not modeled: slower small
-GEMMs after a micro-batch split, kernel launch costs, communication.
+**Step time model** (a prediction, used for ranking; :class:`StepCost`): a micro-batch costs its matmul and attention
+FLOPs (counted by :class:`torch.utils.flop_counter.FlopCounterMode` on the fake step, recomputation included) at the
+training device's GEMM rate for the compute dtype, plus twice the bytes its other operators write (one write, one
+read) at its memory bandwidth; ``optimizer.step()`` runs once per optimizer step, whatever the micro-batches. The
+rates are the device's own (:func:`~lightning_memkit.measure.machine.probe_machine`: measured once, cached), or an
+H100's (:data:`~lightning_memkit.measure.machine.H100`) for a CUDA device this machine does not have. A plan's
+overhead is its step time over the given run's, minus one; a pipeline of ``S`` stages and ``M`` microbatches divides
+the time by ``S`` and adds the 1F1B bubble ``(S - 1) / M``. Not modeled: slower small GEMMs after a micro-batch
+split, kernel launch costs, communication.
 
 Example (a one-layer tiny Llama: plans for half of its plain peak, four estimates at most)::
 
@@ -39,19 +41,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_memkit.estimate.levers import Plan
+from lightning_memkit.estimate.levers import Plan, StepCost
 from lightning_memkit.estimate.runs import Run
 from lightning_memkit.estimate.step import MemoryEstimate
+from lightning_memkit.measure.machine import MachineBalance, step_seconds
 from lightning_memkit.measure.storage import format_bytes
 
-__all__ = ["MACHINE_BALANCE", "Plan", "PlanResult", "SearchResult", "search_plans", "step_cost"]
-
-MACHINE_BALANCE = 300  # FLOPs per byte of memory traffic (H100 SXM: ~989 TFLOP/s bf16 / 3.35 TB/s)
+__all__ = ["Plan", "PlanResult", "SearchResult", "StepCost", "search_plans", "step_cost"]
 
 
-def step_cost(est: MemoryEstimate) -> float:
-    """The step time model (module doc), in FLOP-equivalents."""
-    return est.step_flops + 2 * MACHINE_BALANCE * est.step_bytes
+def step_cost(est: MemoryEstimate, machine: MachineBalance, dtype: str = "float32") -> StepCost:
+    """The step time model (module doc) of one traced step: per micro-batch and once per optimizer step."""
+    once = getattr(est, "optimizer_step_bytes", 0)
+    return StepCost(step_seconds(machine, est.step_flops, est.step_bytes - once, dtype=dtype),
+                    step_seconds(machine, 0, once, dtype=dtype))
 
 
 @dataclass
@@ -146,6 +149,7 @@ class _Search:
     """The state of one :func:`search_plans`."""
 
     run: Any
+    machine: MachineBalance
     fits: Callable[[int], bool]
     say: Callable[[str], None]
     max_estimates: int
@@ -162,7 +166,7 @@ class _Search:
     def ruled_out(self, plan: Plan) -> bool:
         return any(plan.at_most(f) for f in self.failed) or any(plan.costlier(r.plan) for r in self.fitting)
 
-    def try_plan(self, plan: Plan, single_cost: float | None = None) -> tuple[PlanResult, float] | None:
+    def try_plan(self, plan: Plan, single_cost: StepCost | None = None) -> tuple[PlanResult, StepCost] | None:
         """Estimate ``plan`` unless a known result rules it out; file it as fitting or failed."""
         if plan in self.queue:
             self.queue.remove(plan)
@@ -179,9 +183,11 @@ class _Search:
         est = self.run.estimate(plan)
         self.estimated += 1
         # pipeline stages: the single-device step of the same features, split over the stages
-        cost = plan.scale_cost(self.run.base, single_cost if plan["stages"] > 1 else step_cost(est), self.run)
-        self.base_cost = self.base_cost or cost
-        result = PlanResult(plan, est.peak_bytes, cost / self.base_cost - 1, self.fits(est.peak_bytes), self.run)
+        traced = single_cost if plan["stages"] > 1 else step_cost(est, self.machine, self.run.compute_dtype(plan))
+        cost = plan.scale_cost(self.run.base, traced, self.run)
+        self.base_cost = self.base_cost or cost.seconds
+        result = PlanResult(plan, est.peak_bytes, cost.seconds / self.base_cost - 1, self.fits(est.peak_bytes),
+                            self.run)
         if result.fits:
             self.fitting.append(result)
         else:
@@ -207,7 +213,8 @@ def _duration(seconds: float) -> str:
 
 
 def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: int = 3,
-                 max_estimates: int = 48, progress: Callable[[str], None] | None = None) -> SearchResult:
+                 max_estimates: int = 48, progress: Callable[[str], None] | None = None,
+                 machine: MachineBalance | None = None) -> SearchResult:
     """Estimate the candidate plans of ``run`` and return those that fit ``budget_bytes``, cheapest first.
 
     The run as given and the strongest plan come first (if that one does not fit, no single-device plan does);
@@ -226,6 +233,8 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
         max_estimates: stop after this many estimates.
         progress: called with a line before each estimate: the estimates done and planned, the time so far and the
             time left (``estimate 3/12: <plan> (40 s so far, about 2 min left)``).
+        machine: the device balance the step time model prices steps with (``None``: the run's,
+            :meth:`~lightning_memkit.estimate.runs.LeverRun.machine`).
     """
     from lightning_memkit.common.validation import check_int
 
@@ -234,8 +243,8 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     check_int(max_estimates, "max_estimates", minimum=1, owner="search_plans")
     if not 0 <= margin < 1:
         raise ValueError(f"search_plans(margin=...) must be in [0, 1), got {margin!r}")
-    search = _Search(run, lambda peak: peak * (1 + margin) <= budget_bytes, progress or (lambda _line: None),
-                     max_estimates)
+    search = _Search(run, machine or run.machine(), lambda peak: peak * (1 + margin) <= budget_bytes,
+                     progress or (lambda _line: None), max_estimates)
     ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: p.search_order(run.base))
     tops = _strongest([run.base, *ordered])
     search.queue = [*tops, *(p for p in ordered if p not in tops)]

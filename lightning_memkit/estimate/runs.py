@@ -23,6 +23,8 @@ from lightning_memkit.estimate.levers import LEVERS, Plan, StepSpec, Written
 
 __all__ = ["LeverRun", "Run"]
 
+_DTYPES = {"bf16-true": "bfloat16", "bf16-mixed": "bfloat16", "16-true": "float16", "16-mixed": "float16"}
+
 
 @runtime_checkable
 class Run(Protocol):
@@ -82,6 +84,23 @@ class LeverRun:
 
     def pipelines(self) -> Iterator[Plan]:
         return iter(())
+
+    target = "cpu"  # the device the run trains on: "cpu" or "cuda"
+
+    def machine(self) -> Any:
+        """The balance of the device the run trains on: measured here when it is here
+        (:func:`~lightning_memkit.measure.machine.probe_machine`), an H100's for a CUDA device that is not."""
+        import torch
+
+        from lightning_memkit.measure.machine import H100, probe_machine
+
+        if self.target == "cuda" and not torch.cuda.is_available():
+            return H100
+        return probe_machine(self.target)
+
+    def compute_dtype(self, plan: Plan) -> str:
+        """The dtype of the step's matmuls under ``plan`` (its precision's)."""
+        return _DTYPES.get(plan["precision"], "float32")
 
     def step_spec(self, plan: Plan) -> StepSpec:
         """The fake step's settings for ``plan``."""

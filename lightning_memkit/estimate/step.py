@@ -122,6 +122,7 @@ class MemoryEstimate:
     step_flops: int = 0  # matmul/attention FLOPs of the step (FlopCount), recomputation included
     step_bytes: int = 0  # bytes of the storages the step creates (what its memory-bound ops write)
     host_bytes: int = 0  # the step's peak of host memory (offloaded bytes), apart from the device peak_bytes
+    optimizer_step_bytes: int = 0  # of step_bytes, those optimizer.step() creates (once per optimizer step)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -534,6 +535,7 @@ class StepTrace:
     log: EventLog | None = None
     layers: list[str] = field(default_factory=list)
     host_bytes: int = 0  # the recorded step's host peak (offloaded bytes)
+    optimizer_bytes: int = 0  # of allocated, the bytes optimizer.step() created
 
     def estimate(self, optimizer: str, seconds: float) -> MemoryEstimate:
         return MemoryEstimate(phases=self.phases, peak_bytes=max(p.peak_bytes for p in self.phases[1:]),
@@ -541,7 +543,7 @@ class StepTrace:
                               optimizer=optimizer, precision=self.precision, features=self.features,
                               assumptions=_assumptions(any("MoE" in f for f in self.features), self.target),
                               seconds=seconds, step_flops=self.flops, step_bytes=self.allocated,
-                              host_bytes=self.host_bytes)
+                              host_bytes=self.host_bytes, optimizer_step_bytes=self.optimizer_bytes)
 
 
 class WarmupMismatch(RuntimeError):
@@ -594,7 +596,7 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
             _step(run, record=False)
         _classify_static(run)
         before = {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"}
-        tracker.allocated = 0
+        tracker.allocated, tracker.allocated_by_phase = 0, {}
         fast.counting = True
         _step(run, record=True)
         fast.counting = False
@@ -614,7 +616,8 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         host = max(tracker.host_peaks.get(name, 0) for name in STEP_PHASES)
         del run, model, optim, blocks
     return StepTrace(phases, counts[0], counts[1], precision if plugin is None else type(plugin).__name__, features,
-                     fast.flops, tracker.allocated, target, foreach, events, layers, host)
+                     fast.flops, tracker.allocated, target, foreach, events, layers, host,
+                     tracker.allocated_by_phase.get("optimizer step", 0))
 
 
 def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],

@@ -129,6 +129,7 @@ class CategoryTracker(LivePeak):
         self.clock = clock
         self.serial = 0
         self.allocated = 0  # bytes of the storages created while a phase records
+        self.allocated_by_phase: dict[str, int] = {}  # the same, per phase
         self.log: EventLog | None = None  # every allocation of a recording phase, for the composition
         self._inputs: set[int] = set()
 
@@ -184,6 +185,7 @@ class CategoryTracker(LivePeak):
                 return
             if self.phase is not None:
                 self.allocated += nbytes
+                self.allocated_by_phase[self.phase] = self.allocated_by_phase.get(self.phase, 0) + nbytes
             self.totals[tag[0]] += nbytes
             self._change(device, nbytes)
             if self.log is not None and self.phase is not None:

@@ -21,12 +21,14 @@ FRACTIONS = (0.6, 0.3)  # budgets as fractions of the run-as-given's predicted p
 
 def _search_rows(run, fractions=FRACTIONS) -> list[dict]:
     from lightning_memkit.estimate.plans import search_plans
+    from lightning_memkit.measure.machine import H100
 
     base = run.estimate(run.base).peak_bytes
     rows = []
     for fraction in fractions:
         lines: list[str] = []
-        result = search_plans(run, max(int(base * fraction), 1), max_plans=3, progress=lines.append)
+        # one fixed balance (an H100's), whatever machine runs the table
+        result = search_plans(run, max(int(base * fraction), 1), max_plans=3, progress=lines.append, machine=H100)
         rows.append({"budget": int(base * fraction), "estimated": result.estimated, "skipped": result.skipped,
                      "tried": [line.split(": ", 1)[1].split(" (")[0] for line in lines],
                      "base_peak": result.base.peak_bytes,

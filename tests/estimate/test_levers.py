@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_memkit.estimate.levers import LEVERS, Plan, StepSpec, lever
+from lightning_memkit.estimate.levers import LEVERS, Plan, StepCost, StepSpec, lever
 from lightning_memkit.estimate.runs import LeverRun
 
 
@@ -69,8 +69,8 @@ def test_order_cost_and_words():
     assert base.replace(fused_loss=True, precision="bf16-true").search_order(base) == (0, -2)
     assert split.replace(recompute="full").costlier(split) and not split.costlier(split.replace(fused_loss=True))
     run = _Run()
-    assert split.scale_cost(base, 10.0, run) == 40.0
-    assert base.replace(stages=2).scale_cost(base, 16.0, run) == 16.0 * (1 + 1 / 8) / 2
+    assert split.scale_cost(base, StepCost(10.0, 3.0), run) == StepCost(40.0, 3.0)  # the optimizer steps once
+    assert base.replace(stages=2).scale_cost(base, StepCost(16.0), run).seconds == 16.0 * (1 + 1 / 8) / 2
     assert split.replace(stages=2).describe(base) == "micro-batch 2 x 4 accumulation, 2 pipeline stages"
 
 

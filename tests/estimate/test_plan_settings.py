@@ -11,6 +11,10 @@ import pytest
 from lightning_memkit.estimate.config_run import ConfigRun
 from lightning_memkit.estimate.levers import Plan
 from lightning_memkit.estimate.plans import search_plans
+from lightning_memkit.estimate.runs import LeverRun
+from lightning_memkit.measure.machine import MachineBalance
+
+BALANCE = MachineBalance("300 FLOP per byte", {"float32": 1.0}, memory_bytes_per_s=1 / 300, link_bytes_per_s=1.0)
 
 TINY_LM = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_lm.yaml"
 
@@ -63,7 +67,7 @@ class _Estimate:
     step_bytes: int = 0
 
 
-class _Run:
+class _Run(LeverRun):
     """A run whose peak is the micro-batch in bytes: plans of micro-batch <= 2 fit a budget of 2."""
 
     def __init__(self) -> None:
@@ -90,7 +94,7 @@ class _Run:
 
 def test_the_search_says_estimates_done_and_planned_and_the_time_left() -> None:
     lines: list[str] = []
-    result = search_plans(_Run(), 2, margin=0.0, progress=lines.append)
+    result = search_plans(_Run(), 2, margin=0.0, progress=lines.append, machine=BALANCE)
     assert len(lines) == result.estimated and result.fitting
     assert re.fullmatch(r"estimate 1/\d+: the run as given", lines[0])
     done_planned = [tuple(map(int, re.match(r"estimate (\d+)/(\d+): ", line).groups())) for line in lines]
@@ -126,8 +130,8 @@ def test_the_search_finds_the_cheapest_fitting_plan_with_fewer_estimates(budget:
     from lightning_memkit.estimate.plans import step_cost
 
     run = _Lattice()
-    result = search_plans(run, budget, margin=0.0)
-    costs = {p: step_cost(run.estimate(p)) * (8 // p["micro_batch"]) for p in run.axes()
+    result = search_plans(run, budget, margin=0.0, machine=BALANCE)
+    costs = {p: step_cost(run.estimate(p), BALANCE).micro * (8 // p["micro_batch"]) for p in run.axes()
              if run.estimate(p).peak_bytes <= budget}
     assert result.fitting[0].plan == min(costs, key=costs.get)
     assert result.estimated + result.skipped == len(list(run.axes()))

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "Lever", "StepSpec", "TrainerEdit", "Written", "find_callback"]
+__all__ = ["KINDS", "Lever", "StepCost", "StepSpec", "TrainerEdit", "Written", "find_callback"]
 
 KINDS = ("work", "free", "scale")  # adds work (ordered by it) / lowers memory for free / changes the device count
 
@@ -48,6 +48,30 @@ class StepSpec:
     stages: int = 1
     patches: list[Callable[[Any], Any]] = field(default_factory=list)
     optimizer: list[Callable[[Any], Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """An optimizer step's time in the step time model, in seconds: the micro-batches' forward and backward
+    (``micro``), what runs once per optimizer step (``once``: ``optimizer.step()``), the host-link copies (``link``).
+
+    >>> StepCost(1.0, 0.25).replace(micro=2.0).seconds
+    2.25
+    """
+
+    micro: float
+    once: float = 0.0
+    link: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.micro + self.once + self.link
+
+    def replace(self, **changes: float) -> StepCost:
+        return StepCost(**{**self.__dict__, **changes})
+
+    def scaled(self, factor: float) -> StepCost:
+        return StepCost(self.micro * factor, self.once * factor, self.link * factor)
 
 
 @dataclass
@@ -140,7 +164,7 @@ class Lever:
         """What ``choice`` changes from ``base``, in words (``None``: nothing to say)."""
         return None
 
-    def scale_cost(self, choice: Any, base: Any, cost: float, run: Any) -> float:
+    def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any) -> StepCost:
         """The step time model's cost of a plan with ``choice`` from ``cost``, that of its fake step."""
         return cost
 

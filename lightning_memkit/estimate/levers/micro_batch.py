@@ -3,7 +3,7 @@
 An HF-config or LightningCLI-config run splits by ``accumulate_grad_batches`` (the data module's batch size divided:
 halvings while they divide evenly); a module as built splits each batch inside the training step
 (:class:`~lightning_memkit.callbacks.MicroBatchSplit`: halvings rounded up, down to one row), the loader unchanged.
-Each micro-batch costs a step of its own in the step time model.
+Each micro-batch costs a forward and a backward of its own in the step time model; the optimizer steps once.
 
     >>> from lightning_memkit.estimate.levers.micro_batch import MICRO_BATCH, batch_splits, halvings
     >>> batch_splits(12), halvings(12), MICRO_BATCH.words(3, 12)
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lightning_memkit.estimate.levers.base import Lever, StepSpec, TrainerEdit, Written, find_callback
+from lightning_memkit.estimate.levers.base import Lever, StepCost, StepSpec, TrainerEdit, Written, find_callback
 
 __all__ = ["MICRO_BATCH", "MicroBatch", "batch_splits", "halvings"]
 
@@ -58,8 +58,8 @@ class MicroBatch(Lever):
     def words(self, choice: Any, base: Any) -> str:
         return f"micro-batch {choice} x {_steps(choice, base)} accumulation"
 
-    def scale_cost(self, choice: Any, base: Any, cost: float, run: Any) -> float:
-        return cost * _steps(choice, base)
+    def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any) -> StepCost:
+        return cost.replace(micro=cost.micro * _steps(choice, base))  # the optimizer still steps once
 
     def to_step(self, choice: Any, spec: StepSpec) -> None:
         spec.rows = choice

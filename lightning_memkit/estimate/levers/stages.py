@@ -5,7 +5,8 @@ over ``S`` plus the bubble ``(S - 1) / M``.
     >>> from lightning_memkit.estimate.levers.stages import STAGES
     >>> class Run:
     ...     batch_size = 4
-    >>> STAGES.words(2, 1), STAGES.scale_cost(2, 1, 100.0, Run())
+    >>> from lightning_memkit.estimate.levers.base import StepCost
+    >>> STAGES.words(2, 1), STAGES.scale_cost(2, 1, StepCost(100.0), Run()).seconds
     ('2 pipeline stages', 62.5)
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_memkit.estimate.levers.base import Lever, StepSpec, Written
+from lightning_memkit.estimate.levers.base import Lever, StepCost, StepSpec, Written
 
 __all__ = ["STAGES", "Stages"]
 
@@ -29,10 +30,10 @@ class Stages(Lever):
     def words(self, choice: Any, base: Any) -> str | None:
         return f"{choice} pipeline stages" if choice > 1 else None
 
-    def scale_cost(self, choice: Any, base: Any, cost: float, run: Any) -> float:
+    def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any) -> StepCost:
         if choice == 1:
             return cost
-        return cost * ((1 + (choice - 1) / run.batch_size) / choice)
+        return cost.scaled((1 + (choice - 1) / run.batch_size) / choice)
 
     def to_step(self, choice: Any, spec: StepSpec) -> None:
         spec.stages = choice
