@@ -1,11 +1,14 @@
 import gc
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
+# the planner's device probe caches its answer in a file: the suite's own, not the user's ~/.cache
+os.environ.setdefault("MEMKIT_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"memkit-test-cache-{os.getuid()}"))
 # One intra-op thread: tests run tiny ops, where thread hand-off costs more than it saves, and a 2-core
 # CI machine would otherwise be oversubscribed.
 torch.set_num_threads(1)

@@ -49,7 +49,8 @@ from lightning_memkit.measure.storage import format_bytes
 __all__ = ["MemoryBudget", "NoPlanFits", "Replan", "check_budget"]
 
 _OWNER = "MemoryBudget"
-DEFAULT_ALLOW = ("recompute", "fused_loss", "micro_batch")
+DEFAULT_ALLOW = ("recompute", "offload_activations", "fused_loss", "micro_batch", "optimizer_in_backward",
+                 "offload_optimizer")
 _WARMUP_STEPS = 2  # optimizer steps measured on CPU whatever their batch (the optimizer state appears in the first)
 
 
@@ -331,13 +332,18 @@ class MemoryBudget(Callback):
             allow = [a for a in allow if a != "micro_batch"]
         plugin = trainer.precision_plugin
         plugin = plugin if isinstance(plugin, import_object(lever("quantization").plugin)) else None
-        return ModuleRun(pl_module, batch, micro_batch=self._split.max_rows,
+        levers = {x.name: x.read_trainer(trainer) for x in LEVERS if x.name in _READ_FROM_TRAINER}
+        run = ModuleRun(pl_module, batch, micro_batch=self._split.max_rows,
                          precision=lever("precision").read_trainer(trainer),
                          checkpoint=lever("recompute").read_trainer(trainer),
                          policy="auto" if ac is None else ac.policy,
                          fused_loss=lever("fused_loss").read_trainer(trainer),
                          accumulate=int(trainer.accumulate_grad_batches), allow=allow, plugin=plugin,
-                         target=trainer.strategy.root_device.type, keep=(trainer,))
+                         target=trainer.strategy.root_device.type, keep=(trainer,), levers=levers,
+                         refusals=_refusals(trainer, pl_module, allow))
+        for name, why in run.off_levers().items():
+            _say(f"{_OWNER}: the {name} lever is off: {why}")
+        return run
 
     def _nothing_fits(self, run: Any, budget: int) -> NoPlanFits:
         strongest = _strongest(run)
@@ -555,6 +561,24 @@ def check_budget(budget: Any) -> int | float:
 
 def _say(line: str) -> None:
     rank_zero_info(line)
+
+
+_READ_FROM_TRAINER = ("offload_activations", "optimizer_in_backward", "offload_optimizer", "optimizer_8bit")
+
+
+def _refusals(trainer: Trainer, pl_module: LightningModule, allow: Sequence[str]) -> dict[str, str]:
+    """Why the Trainer refuses each allowed lever whose callback says so (its ``refusals``: gradient clipping,
+    accumulation, the strategy...), one line each."""
+    out = {}
+    for x in LEVERS:
+        if x.name not in allow or not x.callback:
+            continue
+        callback = import_object(x.callback)
+        reasons = getattr(callback, "trainer_refusals", None)
+        why = reasons(trainer, pl_module) if reasons is not None else None
+        if why:
+            out[x.name] = why
+    return out
 
 
 def _between_steps(allow: Sequence[str]) -> list[str]:

@@ -55,6 +55,15 @@ class OptimizerLever(Callback):
         """Reasons this fit cannot use the lever (``None`` entries: no reason)."""
         return []
 
+    @classmethod
+    def trainer_refusals(cls, trainer: Trainer, pl_module: LightningModule) -> str | None:
+        """The first reason the Trainer as set up refuses the lever, before its optimizer is configured (what
+        ``MemoryBudget`` asks before it plans), or ``None``."""
+        if not isinstance(trainer.strategy, cls.strategies):
+            allowed = ", ".join(s.__name__ for s in cls.strategies)
+            return f"it runs under {allowed}, not {type(trainer.strategy).__name__}"
+        return next((r for r in cls().refusals(trainer, pl_module) if r), None)
+
     def _reasons(self, trainer: Trainer, pl_module: LightningModule) -> list[str]:
         count = len(trainer.strategy.optimizers)
         reasons = [f"it replaces one optimizer; configure_optimizers returned {count}" if count != 1 else None]

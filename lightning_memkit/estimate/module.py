@@ -52,8 +52,8 @@ from lightning_memkit.estimate.step import (
 
 __all__ = ["AXES", "ModuleRun", "batch_rows", "batch_tensors", "fake_copy", "micro_batch"]
 
-AXES = ("recompute", "fused_loss", "micro_batch", "precision", "optimizer_in_backward", "offload_optimizer",
-        "optimizer_8bit")
+AXES = ("recompute", "offload_activations", "fused_loss", "micro_batch", "precision", "optimizer_in_backward",
+        "offload_optimizer", "optimizer_8bit")
 _OWNER = "ModuleRun"
 
 
@@ -91,8 +91,9 @@ class ModuleRun(LeverRun):
     """A module as built, trained on batches like ``batch``, as :func:`search_plans` plans it.
 
     The axes a plan may change are ``allow``'s: ``"recompute"`` (none, selective or full activation
-    checkpointing of the repeated blocks, ``policy``), ``"fused_loss"`` (when the module holds a transformers causal
-    LM, peft-wrapped too), ``"micro_batch"`` (the batch split inside the step into micro-batches of at most a
+    checkpointing of the repeated blocks, ``policy``), ``"offload_activations"`` (what backward needs from them kept
+    in host memory), ``"fused_loss"`` (when the module holds a transformers causal LM, peft-wrapped too),
+    ``"micro_batch"`` (the batch split inside the step into micro-batches of at most a
     plan's ``micro_batch`` rows, their gradients accumulated: :class:`~lightning_memkit.callbacks.MicroBatchSplit`;
     needs rows, a common leading size of the batch's tensors, above 1) and ``"precision"`` (``bf16-true``: changes
     the numerics, opt-in), and the optimizer-state levers ``"optimizer_in_backward"``, ``"offload_optimizer"`` and

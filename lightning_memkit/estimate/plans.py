@@ -184,7 +184,7 @@ class _Search:
         self.estimated += 1
         # pipeline stages: the single-device step of the same features, split over the stages
         traced = single_cost if plan["stages"] > 1 else step_cost(est, self.machine, self.run.compute_dtype(plan))
-        cost = plan.scale_cost(self.run.base, traced, self.run)
+        cost = plan.scale_cost(self.run.base, traced, self.run, est, self.machine)
         self.base_cost = self.base_cost or cost.seconds
         result = PlanResult(plan, est.peak_bytes, cost.seconds / self.base_cost - 1, self.fits(est.peak_bytes),
                             self.run)

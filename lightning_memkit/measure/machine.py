@@ -109,8 +109,9 @@ def _sync(device: torch.device) -> None:
 def _measure(device: torch.device, key: str) -> MachineBalance:
     n = 4096 if device.type == "cuda" else 768
     gemm = {}
+    generator = torch.Generator(device=device).manual_seed(0)  # the global random state is never drawn from
     for name in _DTYPES:
-        a = torch.randn(n, n, device=device).to(getattr(torch, name))
+        a = torch.randn(n, n, device=device, generator=generator).to(getattr(torch, name))
         gemm[name] = 2 * n**3 / _best_seconds(lambda a=a: torch.mm(a, a), device)
     size = 128 * 2**20  # beyond the caches
     src = torch.empty(size, dtype=torch.uint8, device=device)

@@ -30,6 +30,16 @@ def test_the_probe_measures_every_rate_and_caches_per_device(cache_dir):
     assert probe_machine("cpu") == first  # read back from the file, not measured again
 
 
+def test_the_probe_draws_nothing_from_the_global_random_state(cache_dir):
+    import torch
+
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    probe_machine("cpu", cache=False)
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_a_damaged_or_older_cache_is_measured_again(cache_dir, monkeypatch):
     (cache_dir / "machine.json").write_text("{not json")
     measured = probe_machine("cpu")

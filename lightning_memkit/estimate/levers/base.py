@@ -164,8 +164,10 @@ class Lever:
         """What ``choice`` changes from ``base``, in words (``None``: nothing to say)."""
         return None
 
-    def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any) -> StepCost:
-        """The step time model's cost of a plan with ``choice`` from ``cost``, that of its fake step."""
+    def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any, est: Any = None,
+                   machine: Any = None) -> StepCost:
+        """The step time model's cost of a plan with ``choice`` from ``cost``, that of its fake step (``est``, priced
+        with ``machine``'s balance)."""
         return cost
 
     def to_step(self, choice: Any, spec: StepSpec) -> None:

@@ -58,7 +58,8 @@ class MicroBatch(Lever):
     def words(self, choice: Any, base: Any) -> str:
         return f"micro-batch {choice} x {_steps(choice, base)} accumulation"
 
-    def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any) -> StepCost:
+    def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any, est: Any = None,
+                   machine: Any = None) -> StepCost:
         return cost.replace(micro=cost.micro * _steps(choice, base))  # the optimizer still steps once
 
     def to_step(self, choice: Any, spec: StepSpec) -> None:

@@ -94,8 +94,8 @@ class Plan(Mapping[str, Any]):
         same = all(v == c for x, v, c in zip(LEVERS, self._values, cheaper._values, strict=True) if x.kind != "work")
         return self != cheaper and cheaper.at_most(self) and same
 
-    def scale_cost(self, base: Plan, cost: Any, run: Any) -> Any:
-        """The step time model's cost of this plan from its fake step's ``cost``."""
+    def scale_cost(self, base: Plan, cost: Any, run: Any, est: Any = None, machine: Any = None) -> Any:
+        """The step time model's cost of this plan from its fake step's ``cost`` (``est``, priced by ``machine``)."""
         for x, v, b in zip(LEVERS, self._values, base._values, strict=True):
-            cost = x.scale_cost(v, b, cost, run)
+            cost = x.scale_cost(v, b, cost, run, est, machine)
         return cost

@@ -11,6 +11,10 @@ from __future__ import annotations
 from lightning_memkit.estimate.levers.base import Lever
 from lightning_memkit.estimate.levers.fused_loss import FUSED_LOSS
 from lightning_memkit.estimate.levers.micro_batch import MICRO_BATCH
+from lightning_memkit.estimate.levers.offload_activations import OFFLOAD_ACTIVATIONS
+from lightning_memkit.estimate.levers.offload_optimizer import OFFLOAD_OPTIMIZER
+from lightning_memkit.estimate.levers.optimizer_8bit import OPTIMIZER_8BIT
+from lightning_memkit.estimate.levers.optimizer_in_backward import OPTIMIZER_IN_BACKWARD
 from lightning_memkit.estimate.levers.precision import PRECISION
 from lightning_memkit.estimate.levers.quantization import QUANTIZATION
 from lightning_memkit.estimate.levers.recompute import RECOMPUTE
@@ -18,16 +22,16 @@ from lightning_memkit.estimate.levers.stages import STAGES
 
 __all__ = ["LEVERS", "lever"]
 
-# The optimizer-state levers (optimizer_in_backward.py, offload_optimizer.py, optimizer_8bit.py) are written but not
-# registered: the step time model does not yet price the host-device copies of an offloaded optimizer, so a plan with
-# one would rank as free.
-
 LEVERS: tuple[Lever, ...] = (
     PRECISION,
     QUANTIZATION,
     RECOMPUTE,
+    OFFLOAD_ACTIVATIONS,
     FUSED_LOSS,
     MICRO_BATCH,
+    OPTIMIZER_IN_BACKWARD,
+    OFFLOAD_OPTIMIZER,
+    OPTIMIZER_8BIT,
     STAGES,
 )
 _BY_NAME = {x.name: x for x in LEVERS}

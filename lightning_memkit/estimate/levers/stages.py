@@ -30,7 +30,8 @@ class Stages(Lever):
     def words(self, choice: Any, base: Any) -> str | None:
         return f"{choice} pipeline stages" if choice > 1 else None
 
-    def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any) -> StepCost:
+    def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any, est: Any = None,
+                   machine: Any = None) -> StepCost:
         if choice == 1:
             return cost
         return cost.scaled((1 + (choice - 1) / run.batch_size) / choice)
