@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
                    "foreach temporaries; kernel workspaces and allocator rounding are not counted) or cpu")
     p.add_argument("--budget", default=None, help="device memory available, e.g. 24GiB or 80GB: search the "
                    "feature plans that fit and print the cheapest as LightningCLI YAML fragments")
+    p.add_argument("--allow", default=None,
+                   help="with --budget: the levers a plan may pull, comma-separated (default: all but optimizer_8bit, "
+                   "which changes the numerics): precision, quantization, recompute, offload_activations, fused_loss, "
+                   "micro_batch, optimizer_in_backward, offload_optimizer, optimizer_8bit, stages")
     p.add_argument("--margin", type=float, default=None,
                    help="with --budget: a plan fits when its peak plus this fraction is within the budget "
                    "(default 0.05, the estimate's accuracy goal)")
@@ -120,13 +124,17 @@ def _check_budget(args: argparse.Namespace) -> None:
     from lightning_memkit.common.sizes import parse_bytes
 
     if args.budget is None:
-        for key in ("margin", "max_plans", "max_estimates"):
+        for key in ("margin", "max_plans", "max_estimates", "allow"):
             if getattr(args, key) is not None:
                 raise ConfigError(f"--{key.replace('_', '-')}: only with --budget")
         return
     if args.pipeline is not None:
         raise ConfigError("--budget and --pipeline: the budget search tries pipeline stages itself; leave out "
                           "--pipeline")
+    if args.allow is not None:
+        from lightning_memkit.estimate.runs import check_allow
+
+        check_allow(_allow(args.allow), "--allow")  # before any estimate
     try:
         args.budget = parse_bytes(args.budget)
     except ConfigError as err:
@@ -214,6 +222,10 @@ def _input_warnings_on_stderr() -> Iterator[None]:
         yield
 
 
+def _allow(text: str | None) -> list[str] | None:
+    return None if text is None else [a.strip() for a in text.split(",") if a.strip()]
+
+
 def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     """``--budget``: the plan search, with a line per estimate on stderr."""
 
@@ -224,9 +236,10 @@ def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     if args.hf_config is not None:
         run = HFRun(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
                     optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
-                    fused_loss=args.fused_loss, plugin=args.plugin, lora_rank=args.lora_rank, device=args.device)
+                    fused_loss=args.fused_loss, plugin=args.plugin, lora_rank=args.lora_rank, device=args.device,
+                    allow=_allow(args.allow))
     else:
-        run = ConfigRun(args.config, list(overrides))
+        run = ConfigRun(args.config, list(overrides), allow=_allow(args.allow))
     result = search_plans(run, args.budget, margin=args.margin, max_plans=args.max_plans,
                           max_estimates=args.max_estimates,
                           progress=lambda line: print(f"memkit estimate: {line}", file=sys.stderr, flush=True))

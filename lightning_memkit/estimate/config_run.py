@@ -12,13 +12,14 @@ Example (from a checkout)::
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_memkit.common.class_paths import class_name
 from lightning_memkit.common.errors import ConfigError
 from lightning_memkit.estimate.levers import LEVERS, Plan
-from lightning_memkit.estimate.runs import LeverRun
+from lightning_memkit.estimate.runs import LeverRun, check_allow
 from lightning_memkit.estimate.step import MemoryEstimate
 
 __all__ = ["ConfigRun"]
@@ -31,10 +32,12 @@ class ConfigRun(LeverRun):
 
     kind = "config"
 
-    def __init__(self, config: str | Path, overrides: list[str] | tuple[str, ...] = ()):
+    def __init__(self, config: str | Path, overrides: list[str] | tuple[str, ...] = (),
+                 allow: Sequence[str] | None = None):
         from lightning_memkit.config.lightning_cli import parse_config
         from lightning_memkit.estimate.config import config_features
 
+        self.allow = check_allow(allow)
         self.config = Path(config)
         if not self.config.is_file():
             raise ConfigError(f"--config: no such file: {self.config}")

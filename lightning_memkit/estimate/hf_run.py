@@ -15,12 +15,12 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_memkit.estimate.levers import Plan
-from lightning_memkit.estimate.runs import LeverRun
+from lightning_memkit.estimate.runs import LeverRun, check_allow
 
 __all__ = ["HFRun"]
 
@@ -33,11 +33,13 @@ class HFRun(LeverRun):
 
     def __init__(self, path: str | Path, seq_len: int = 2048, batch_size: int = 1, precision: str = "32-true",
                  optimizer: str = "adamw", activation_checkpointing: bool | str = False, fused_loss: bool = False,
-                 plugin: str | None = None, lora_rank: int = 16, device: str = "cuda"):
+                 plugin: str | None = None, lora_rank: int = 16, device: str = "cuda",
+                 allow: Sequence[str] | None = None):
         from lightning_memkit.estimate.hf import checkpoint_mode
         from lightning_memkit.estimate.inputs import check_positions, check_tokens, read_hf_config
 
         seq_len, batch_size = check_tokens(seq_len, batch_size)
+        self.allow = check_allow(allow)
         self.config = read_hf_config(path)  # checked before the first estimate
         check_positions(seq_len, self.config, path)
         self.path, self.seq_len, self.optimizer, self.lora_rank = Path(path), seq_len, optimizer, lora_rank

@@ -20,10 +20,27 @@ from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from lightning_memkit.estimate.levers import LEVERS, Plan, StepSpec, Written
+from lightning_memkit.estimate.levers import lever as named_lever
 
-__all__ = ["LeverRun", "Run"]
+__all__ = ["LeverRun", "Run", "check_allow"]
 
 _DTYPES = {"bf16-true": "bfloat16", "bf16-mixed": "bfloat16", "16-true": "float16", "16-mixed": "float16"}
+
+
+def check_allow(allow: Any, key: str = "allow") -> tuple[str, ...] | None:
+    """``allow`` as a tuple of lever names (``None``: every lever but the opt-in ones); a name that is not a lever
+    raises ``ConfigError`` naming the levers."""
+    if allow is None:
+        return None
+    from lightning_memkit.common.errors import ConfigError
+
+    names = [x.name for x in LEVERS]
+    if isinstance(allow, str) or not all(isinstance(a, str) for a in allow):
+        raise ConfigError(f"{key}: {allow!r} is not a list of lever names; levers: {', '.join(names)}")
+    bad = [a for a in allow if a not in names]
+    if bad:
+        raise ConfigError(f"{key}: {', '.join(map(repr, bad))} not a lever; levers: {', '.join(names)}")
+    return tuple(dict.fromkeys(allow))
 
 
 @runtime_checkable
@@ -63,7 +80,10 @@ class LeverRun:
     refusals: dict[str, str] = {}  # lever name -> why the run refuses it (a Trainer's settings, read by MemoryBudget)
 
     def allows(self, lever: str) -> bool:
-        return self.allow is None or lever in self.allow
+        """Whether a plan may pull ``lever``: named in ``allow``; ``allow=None``: every lever but the opt-in ones."""
+        if self.allow is None:
+            return not named_lever(lever).opt_in
+        return lever in self.allow
 
     def axes(self) -> Iterator[Plan]:
         """Every combination of the levers' options (each lever's choice as given first) that no lever refuses."""

@@ -94,3 +94,16 @@ def test_written_callbacks_follow_the_lever_order(kind):
         assert names == ["ActivationCheckpointing", "FusedLinearCrossEntropy", "MicroBatchSplit"]
         assert out.callbacks[-1]["init_args"] == {"max_rows": 2} and out.trainer == {}
     assert list(run.fragment(plan)["trainer"])[-1] == "callbacks"
+
+
+def test_allow_names_levers_and_the_opt_in_ones_stay_out_unless_named():
+    from lightning_memkit.common.errors import ConfigError
+    from lightning_memkit.estimate.runs import check_allow
+
+    assert check_allow(None) is None and check_allow(["recompute", "recompute"]) == ("recompute",)
+    with pytest.raises(ConfigError, match=r"--allow: 'nope' not a lever; levers: precision, quantization"):
+        check_allow(["nope"], "--allow")
+    with pytest.raises(ConfigError, match="not a list of lever names"):
+        check_allow("recompute")
+    assert _Run().allows("offload_optimizer") and not _Run().allows("optimizer_8bit")
+    assert _Run(allow=("optimizer_8bit",)).allows("optimizer_8bit")

@@ -130,6 +130,7 @@ class Lever:
         wraps_module: whether that callback wraps the module (``MemoryBudget`` takes it off while it copies the
             module for an estimate).
         default: the choice of a run that does not pull the lever.
+        opt_in: whether a run that allows every lever (``memkit estimate``) leaves this one out unless named.
     """
 
     name = ""
@@ -138,6 +139,7 @@ class Lever:
     between_steps = False
     callback: str | None = None
     wraps_module = False
+    opt_in = False
     default: Any = None
 
     def strength(self, choice: Any) -> int:

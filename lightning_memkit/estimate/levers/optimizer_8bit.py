@@ -1,6 +1,6 @@
 """The ``optimizer_8bit`` lever: Adam/AdamW's two moments in 8 bits (bitsandbytes' ``AdamW8bit``,
 :class:`~lightning_memkit.callbacks.Optimizer8bit`): about a quarter of their bytes. It changes the numerics, so
-``MemoryBudget`` pulls it only when ``allow`` names it, as ``precision``.
+``MemoryBudget`` and ``memkit estimate --budget`` pull it only when ``allow`` (``--allow``) names it.
 
     >>> from lightning_memkit.estimate.levers.optimizer_8bit import OPTIMIZER_8BIT
     >>> OPTIMIZER_8BIT.takes("AdamW"), OPTIMIZER_8BIT.takes("SGD"), OPTIMIZER_8BIT.keeps_math
@@ -17,7 +17,7 @@ __all__ = ["OPTIMIZER_8BIT", "Optimizer8bitLever"]
 
 
 class Optimizer8bitLever(OptimizerStateLever):
-    name, kind, keeps_math = "optimizer_8bit", "free", False
+    name, kind, keeps_math, opt_in = "optimizer_8bit", "free", False, True
     callback = "lightning_memkit.callbacks.Optimizer8bit"
     label = "8-bit AdamW state"
     accepts = ("Adam", "AdamW")
