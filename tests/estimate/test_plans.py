@@ -77,11 +77,11 @@ def test_the_strongest_plan_is_tried_first(tmp_path: Path) -> None:
     run = HFRun(path, seq_len=16, batch_size=4, precision="bf16-true", plugin="nf4-lora")
     plans = list(run.axes())
     single = 2 * 3 * 2 * 2  # quantization x recompute x activation offload x loss
-    # at most one optimizer-state lever; the step in backward only without accumulation (micro-batch 4 of 4)
-    assert len(plans) == single * 3 * 3 + single and len(set(plans)) == len(plans)
+    # at most one optimizer-state lever (8-bit is opt-in); the step in backward only without accumulation (4 of 4)
+    assert len(plans) == single * 3 * 2 + single and len(set(plans)) == len(plans)
     strongest = Plan(precision="bf16-true", quantization="nf4-dq-lora", recompute="full", offload_activations=True,
                      fused_loss=True, micro_batch=1)
-    assert _strongest(plans) == [strongest.replace(offload_optimizer=True), strongest.replace(optimizer_8bit=True),
+    assert _strongest(plans) == [strongest.replace(offload_optimizer=True),
                                  strongest.replace(micro_batch=4, optimizer_in_backward=True)]
     # choices that exclude each other: each strongest combination, strongest first
     tops = _strongest([Plan(recompute="full", micro_batch=1), Plan(fused_loss=True, micro_batch=1),
@@ -135,8 +135,8 @@ def test_no_plan_fits_a_tiny_budget(llama_json: Path) -> None:
     run = HFRun(llama_json, seq_len=64, batch_size=2)
     result = search_plans(run, 1024)
     assert result.fitting == [] and "no plan fits" in str(result)
-    # as given, the three strongest (one per optimizer-state lever), then 2 stages (2 layers)
-    assert result.estimated == 1 + 3 + 1 and result.skipped > 0
+    # as given, the two strongest (host offload, step in backward), then 2 stages (2 layers)
+    assert result.estimated == 1 + 2 + 1 and result.skipped > 0
 
 
 def test_the_estimate_limit_is_reported(llama_json: Path, capsys: pytest.CaptureFixture) -> None:
