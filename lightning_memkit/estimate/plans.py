@@ -6,7 +6,8 @@ stages: one module each) to a choice; a run (:class:`~lightning_memkit.estimate.
 config, a module as built) offers the product of its levers' options. Every candidate is estimated with
 :func:`~lightning_memkit.memory.estimate_training_memory` (its real step on fake tensors); a candidate weaker than or
 equal on every lever to one that does not fit is skipped without being estimated (each lever only lowers the peak).
-A plan fits when its predicted peak, plus ``margin`` of it (the estimator's accuracy goal, 5%), is within the budget.
+A plan fits when its predicted peak, plus ``margin`` of it (the estimator's accuracy goal, 5%), is within the budget,
+and what it keeps in host memory (offloaded activations, an offloaded optimizer) is free on this host now.
 This module knows no concrete run.
 
 **Step time model** (a prediction, used for ranking; :class:`StepCost`): a micro-batch costs its matmul and attention
@@ -44,6 +45,7 @@ from typing import Any
 from lightning_memkit.estimate.levers import Plan, StepCost
 from lightning_memkit.estimate.runs import Run
 from lightning_memkit.estimate.step import MemoryEstimate
+from lightning_memkit.measure.device import free_device_memory
 from lightning_memkit.measure.machine import MachineBalance, step_seconds
 from lightning_memkit.measure.storage import format_bytes
 
@@ -66,13 +68,16 @@ class PlanResult:
     overhead: float
     fits: bool
     run: Any = field(repr=False, default=None)
+    host_bytes: int = 0  # what the plan keeps in host memory (offloaded), apart from the device peak
 
     def yaml(self) -> str:
         """A LightningCLI YAML fragment to pass after the run's own config (``--config base.yaml --config this``)."""
         import yaml
 
+        host = f" and {format_bytes(self.host_bytes)} of host memory" if self.host_bytes else ""
         head = (f"# {self.plan.describe(self.run.base)}: predicted peak {format_bytes(self.peak_bytes)}"
-                f"{' per rank' if self.plan['stages'] > 1 else ''}, step time {self.overhead:+.0%} (predicted)\n")
+                f"{' per rank' if self.plan['stages'] > 1 else ''}{host}, step time {self.overhead:+.0%} "
+                "(predicted)\n")
         notes = "".join(f"# {n}\n" for n in self.run.notes(self.plan))
         return head + notes + yaml.safe_dump(self.run.fragment(self.plan), sort_keys=False)
 
@@ -94,7 +99,7 @@ class SearchResult:
         import json
 
         def row(r: PlanResult) -> dict[str, Any]:
-            return {"plan": r.plan.describe(self.base.plan), "peak_bytes": r.peak_bytes,
+            return {"plan": r.plan.describe(self.base.plan), "peak_bytes": r.peak_bytes, "host_bytes": r.host_bytes,
                     "overhead": round(r.overhead, 4), "yaml": r.yaml(), **r.plan.to_dict()}
 
         return json.dumps({"budget_bytes": self.budget_bytes, "margin": self.margin, "base": row(self.base),
@@ -150,7 +155,7 @@ class _Search:
 
     run: Any
     machine: MachineBalance
-    fits: Callable[[int], bool]
+    fits: Callable[[Any], bool]
     say: Callable[[str], None]
     max_estimates: int
     fitting: list[PlanResult] = field(default_factory=list)
@@ -186,8 +191,8 @@ class _Search:
         traced = single_cost if plan["stages"] > 1 else step_cost(est, self.machine, self.run.compute_dtype(plan))
         cost = plan.scale_cost(self.run.base, traced, self.run, est, self.machine)
         self.base_cost = self.base_cost or cost.seconds
-        result = PlanResult(plan, est.peak_bytes, cost.seconds / self.base_cost - 1, self.fits(est.peak_bytes),
-                            self.run)
+        result = PlanResult(plan, est.peak_bytes, cost.seconds / self.base_cost - 1, self.fits(est), self.run,
+                            getattr(est, "host_bytes", 0))
         if result.fits:
             self.fitting.append(result)
         else:
@@ -243,7 +248,14 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     check_int(max_estimates, "max_estimates", minimum=1, owner="search_plans")
     if not 0 <= margin < 1:
         raise ValueError(f"search_plans(margin=...) must be in [0, 1), got {margin!r}")
-    search = _Search(run, machine or run.machine(), lambda peak: peak * (1 + margin) <= budget_bytes,
+    host_free = free_device_memory("cpu")
+
+    def fits(est: Any) -> bool:
+        """Within the budget, and the host memory it needs free now (a pinned page cannot be swapped)."""
+        host = getattr(est, "host_bytes", 0)
+        return est.peak_bytes * (1 + margin) <= budget_bytes and (not host or host_free is None or host <= host_free)
+
+    search = _Search(run, machine or run.machine(), fits,
                      progress or (lambda _line: None), max_estimates)
     ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: p.search_order(run.base))
     tops = _strongest([run.base, *ordered])
