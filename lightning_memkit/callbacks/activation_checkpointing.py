@@ -46,22 +46,18 @@ from lightning_memkit.recompute.activation_recompute import (
     resolve_policy,
 )
 from lightning_memkit.recompute.blocks import AUTO, choose_blocks
+from lightning_memkit.recompute.budget_search import measured_full_plan, measured_mixed_plan, mode_savings
 from lightning_memkit.recompute.plan import (
     CheckpointPlan,
     RecomputeCostMeter,
     calibrate,
     calibrate_activations,
-    layer_savings,
-    plan_checkpointing,
-    plan_recompute,
-    predicted_peak,
 )
 
 __all__ = ["ActivationCheckpointing", "AUTO"]
 
 _OWN_POLICY = {"DeepSpeedStrategy": "DeepSpeedStrategy(partition_activations=..., cpu_checkpointing=...)"}
 _SHARDED = ("FSDPStrategy", "ModelParallelStrategy")  # recompute runs inside their units; no budget planning
-_MAX_PROBES = 4  # mixed plans: measured plans tried (the cheapest that fits is kept)
 
 
 def _mute(*_args: Any, **_kwargs: Any) -> None:
@@ -366,7 +362,7 @@ class ActivationCheckpointing(FitScopedCallback):
         profiled, kept = {"none": baseline}, {}
         for mode, modes in every.items():
             profiled[mode], kept[mode], _, _ = run(modes)
-        savings = _mode_savings(acts, inputs, kept.get("selective"))
+        savings = mode_savings(acts, inputs, kept.get("selective"))
         peak = functools.partial(self._runtime_peak, trainer, pl_module, batch, batch_idx)
         measured = {"none": peak({}), **{m: peak(modes) for m, modes in every.items()}} if self._compiled else {}
         measured = measured or dict(profiled)
@@ -377,81 +373,10 @@ class ActivationCheckpointing(FitScopedCallback):
         acts = calibrate_activations(acts, savings, overhead, measured)  # freed before an earlier full recompute
         baseline, savings, overhead = calibrate(savings, overhead, measured)
         if self.selective:
-            return self._mixed_plan(savings, baseline, overhead, costs, measured, peak, acts)
-        return self._full_plan({n: r["full"] for n, r in savings.items()}, baseline, overhead["full"], measured, peak)
-
-    def _full_plan(
-        self, savings: dict[str, int], baseline: int, overhead: int, measured: dict[str, int], peak: Callable
-    ) -> tuple[CheckpointPlan, int]:
-        """The fewest full-recompute layers: greedy by saving, then the shortest measured prefix within budget."""
-        plan = plan_checkpointing(savings, baseline, self.budget_bytes, recompute_overhead=overhead)
-        by_k = {0: measured["none"], len(plan.ranked): measured["full"]}
-
-        def peak_of(k: int) -> int:
-            if k not in by_k:
-                by_k[k] = peak(dict.fromkeys(plan.first(k), "full"))
-            return by_k[k]
-
-        k = len(plan.layers)
-        while k > 0 and peak_of(k - 1) <= self.budget_bytes:
-            k -= 1
-        while peak_of(k) > self.budget_bytes and k < len(plan.ranked):
-            k += 1
-        if peak_of(k) > self.budget_bytes:
-            raise ValueError(
-                f"budget_bytes={self.budget_bytes} cannot be reached: the best measured peak is "
-                f"{min(by_k.values())} bytes (baseline {baseline} bytes); raise budget_bytes, widen the policy "
-                "or lower the batch size"
-            )
-        plan.layers = plan.first(k)
-        plan.predicted_peak = predicted_peak(savings, baseline, plan.layers, overhead)
-        return plan, peak_of(k)
-
-    def _mixed_plan(
-        self, savings: dict, baseline: int, overhead: dict, costs: dict, measured: dict[str, int], peak: Callable,
-        acts: dict[str, int] | None = None,
-    ) -> tuple[CheckpointPlan, int]:
-        """The cheapest none/selective/full plan whose *measured* peak fits, searched over the planning target.
-
-        The target starts at the budget; a measured overshoot lowers it by the overshoot, a measured slack raises
-        it by the slack (a cheaper plan may fit too), bisecting once both sides are known. Up to ``_MAX_PROBES``
-        plans are measured; the cheapest that fits is kept, else every layer in full if that fits.
-        """
-        replan = functools.partial(plan_recompute, savings, baseline, costs=costs, recompute_overhead=overhead,
-                                   activation_bytes=acts)
-        budget, target = self.budget_bytes, self.budget_bytes
-        tried: dict[tuple, int] = {}
-        best: tuple[CheckpointPlan, int] | None = None
-        low, high = None, None  # targets known to give a fitting / an overshooting plan
-        for _ in range(_MAX_PROBES):
-            try:
-                plan = replan(max(0, target))
-            except ValueError:
-                if best is None and not tried:
-                    raise  # states the best predicted peak
-                break
-            key = tuple(plan.modes.items())
-            if key in tried:
-                break
-            got = tried[key] = peak(plan.modes) if plan.layers else measured["none"]
-            if got <= budget:
-                if best is None or plan.predicted_cost < best[0].predicted_cost:
-                    best = (plan, got)
-                low = target
-            else:
-                high = target
-            target = (low + high) // 2 if low is not None and high is not None else target + budget - got
-        if best is not None:
-            return best
-        if measured["full"] > budget:
-            raise ValueError(
-                f"budget_bytes={budget} cannot be reached: the best measured peak is "
-                f"{min([*tried.values(), *measured.values()])} bytes (baseline {measured['none']} bytes); raise "
-                "budget_bytes, widen the policy or lower the batch size"
-            )
-        plan.layers, plan.selective = [name for name, _ in self._candidates], []
-        plan.predicted_peak, plan.predicted_cost = measured["full"], sum(c["full"] for c in costs.values())
-        return plan, measured["full"]
+            return measured_mixed_plan(savings, baseline, overhead, costs, measured, peak, self.budget_bytes, names,
+                                       acts)
+        return measured_full_plan({n: r["full"] for n, r in savings.items()}, baseline, overhead["full"], measured,
+                                  peak, self.budget_bytes)
 
     @contextlib.contextmanager
     def _isolated(self, pl_module: LightningModule, modes: dict[str, str]) -> Iterator[list[tuple[str, nn.Module]]]:
@@ -533,20 +458,6 @@ class ActivationCheckpointing(FitScopedCallback):
             counts[name] += unique_storage_bytes((args, kwargs))
 
         return hook
-
-
-def _mode_savings(acts: dict[str, int], inputs: dict[str, int], selective_kept: dict[str, int] | None) -> dict:
-    """Layer -> ``{"selective": bytes, "full": bytes}`` saved by each mode, from the saved-tensor profiles.
-
-    Full recompute keeps only the inputs; selective also keeps what its run left stashed in the layer (the
-    matmul and attention outputs), never more than without recompute, never less than full.
-    """
-    full = layer_savings(acts, inputs)
-    out = {}
-    for name, saving in full.items():
-        rest = acts[name] - inputs.get(name, 0) - selective_kept[name] if selective_kept is not None else 0
-        out[name] = {"selective": min(saving, max(0, rest)), "full": saving}
-    return out
 
 
 def _related_row(row: str, name: str) -> bool:

@@ -254,9 +254,10 @@ def test_selective_budget_charges_a_full_recompute_after_the_later_layers_freed(
     backward freed their activations, so F S S S is predicted exactly (the old charge, the full overhead on top of
     every saving, was above it); no plan is predicted below its measured peak."""
     monkeypatch.setattr(activation_checkpointing, "RecomputeCostMeter", FixedCosts)
-    calls, plan = [], activation_checkpointing.plan_recompute
-    monkeypatch.setattr(activation_checkpointing, "plan_recompute",
-                        lambda *a, **k: calls.append((a, k)) or plan(*a, **k))
+    from lightning_memkit.recompute import budget_search
+
+    calls, plan = [], budget_search.plan_recompute
+    monkeypatch.setattr(budget_search, "plan_recompute", lambda *a, **k: calls.append((a, k)) or plan(*a, **k))
     model = make_model(n_layers=4)
     batch = next(iter(loader()))
     names = [f"blocks.{i}" for i in range(4)]
