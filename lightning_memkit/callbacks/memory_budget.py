@@ -359,7 +359,7 @@ class MemoryBudget(Callback):
     def _apply(self, trainer: Trainer, pl_module: LightningModule, run: Any, late: bool) -> None:
         """Make the Trainer run ``self.plan``, lever by lever; callbacks added late get the hooks that already ran."""
         plan, base = self.plan.plan, run.base
-        edit = TrainerEdit(trainer, run, self._split, lambda line: _say(f"{_OWNER}: {line}"))
+        edit = TrainerEdit(trainer, run, self._split, lambda line: _say(f"{_OWNER}: {line}"), plan)
         for x in LEVERS:
             if plan[x.name] != base[x.name]:
                 x.apply(plan[x.name], base[x.name], edit)

@@ -70,9 +70,11 @@ class HFRun(LeverRun):
 
         if self.base["quantization"] is None and not causal_lm_config_problems(self.config):
             layers = int(getattr(self.config, "num_hidden_layers", 0) or 0)
-            strongest = max(self.axes(), key=lambda p: p.strength())
+            # the levers the pipeline's estimate models: every other lever as given
+            precision = max(self.axes(), key=lambda p: p.strength())["precision"]
             for stages in [s for s in (2, 4, 8) if s <= layers]:
-                yield strongest.replace(micro_batch=self.batch_size, stages=stages)
+                yield self.base.replace(precision=precision, recompute="full", fused_loss=True,
+                                        micro_batch=self.batch_size, stages=stages)
 
 
     def notes(self, plan: Plan) -> list[str]:

@@ -46,6 +46,7 @@ class StepSpec:
     fused_loss: bool = False
     rows: int = 0
     stages: int = 1
+    steps_in_backward: bool = False
     patches: list[Callable[[Any], Any]] = field(default_factory=list)
     optimizer: list[Callable[[Any], Any]] = field(default_factory=list)
 
@@ -94,6 +95,7 @@ class TrainerEdit:
     run: Any
     split: Any
     say: Callable[[str], None]
+    plan: Any = None  # the plan applied (a lever whose callback another lever's carries reads it)
     added: list[Any] = field(default_factory=list)
     changes: list[str] = field(default_factory=list)
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_memkit.estimate.levers.base import StepSpec, TrainerEdit, Written
 from lightning_memkit.estimate.levers.optimizer_state import OptimizerStateLever
 
 __all__ = ["OPTIMIZER_IN_BACKWARD", "OptimizerInBackwardLever"]
 
 
 class OptimizerInBackwardLever(OptimizerStateLever):
-    name, kind, keeps_math, frees_gradients = "optimizer_in_backward", "free", True, True
+    name, kind, keeps_math, refuses_accumulation = "optimizer_in_backward", "free", True, True
     callback = "lightning_memkit.callbacks.OptimizerInBackward"
     label = "optimizer step in backward"
 
@@ -25,6 +26,28 @@ class OptimizerInBackwardLever(OptimizerStateLever):
         from lightning_memkit.optim.in_backward import in_backward
 
         return in_backward(factory)
+
+    def to_step(self, choice: Any, spec: StepSpec) -> None:
+        spec.steps_in_backward = bool(choice)
+        super().to_step(choice, spec)
+
+    def carried_by_offload(self, plan: Any) -> bool:
+        """Whether the host offload carries this lever too (``OffloadOptimizer(offload_gradients=True)``)."""
+        return bool(plan.get("offload_optimizer"))
+
+    def write_hf(self, plan: Any, run: Any, out: Written) -> None:
+        if not self.carried_by_offload(plan):
+            super().write_hf(plan, run, out)
+
+    write_config = write_hf
+
+    def write_module(self, plan: Any, run: Any, out: Written) -> None:
+        if not self.carried_by_offload(plan):
+            super().write_module(plan, run, out)
+
+    def apply(self, choice: Any, base: Any, edit: TrainerEdit) -> None:
+        if not self.carried_by_offload(edit.plan or {}):
+            super().apply(choice, base, edit)
 
 
 OPTIMIZER_IN_BACKWARD = OptimizerInBackwardLever()
