@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --budget: the levers a plan may pull, comma-separated (default: all but optimizer_8bit, "
                    "which changes the numerics): precision, quantization, recompute, offload_activations, fused_loss, "
                    "micro_batch, optimizer_in_backward, offload_optimizer, optimizer_8bit, stages")
+    p.add_argument("--host-memory", default=None,
+                   help="with --budget: host memory the plans may keep offloaded bytes in, e.g. 128GiB (default: what "
+                   "this machine has free now)")
     p.add_argument("--margin", type=float, default=None,
                    help="with --budget: a plan fits when its peak plus this fraction is within the budget "
                    "(default 0.05, the estimate's accuracy goal)")
@@ -124,13 +127,18 @@ def _check_budget(args: argparse.Namespace) -> None:
     from lightning_memkit.common.sizes import parse_bytes
 
     if args.budget is None:
-        for key in ("margin", "max_plans", "max_estimates", "allow"):
+        for key in ("margin", "max_plans", "max_estimates", "allow", "host_memory"):
             if getattr(args, key) is not None:
                 raise ConfigError(f"--{key.replace('_', '-')}: only with --budget")
         return
     if args.pipeline is not None:
         raise ConfigError("--budget and --pipeline: the budget search tries pipeline stages itself; leave out "
                           "--pipeline")
+    if args.host_memory is not None:
+        try:
+            args.host_memory = parse_bytes(args.host_memory)
+        except ValueError as err:
+            raise ConfigError(f"--host-memory: {err}") from None
     if args.allow is not None:
         from lightning_memkit.estimate.runs import check_allow
 
@@ -241,7 +249,7 @@ def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     else:
         run = ConfigRun(args.config, list(overrides), allow=_allow(args.allow))
     result = search_plans(run, args.budget, margin=args.margin, max_plans=args.max_plans,
-                          max_estimates=args.max_estimates,
+                          max_estimates=args.max_estimates, host_budget=args.host_memory,
                           progress=lambda line: print(f"memkit estimate: {line}", file=sys.stderr, flush=True))
     print(result.to_json() if args.json else result)
     return result

@@ -219,7 +219,7 @@ def _duration(seconds: float) -> str:
 
 def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: int = 3,
                  max_estimates: int = 48, progress: Callable[[str], None] | None = None,
-                 machine: MachineBalance | None = None) -> SearchResult:
+                 machine: MachineBalance | None = None, host_budget: int | None = None) -> SearchResult:
     """Estimate the candidate plans of ``run`` and return those that fit ``budget_bytes``, cheapest first.
 
     The run as given and the strongest plan come first (if that one does not fit, no single-device plan does);
@@ -240,6 +240,7 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
             time left (``estimate 3/12: <plan> (40 s so far, about 2 min left)``).
         machine: the device balance the step time model prices steps with (``None``: the run's,
             :meth:`~lightning_memkit.estimate.runs.LeverRun.machine`).
+        host_budget: host memory a plan may keep offloaded bytes in (``None``: what this machine has free now).
     """
     from lightning_memkit.common.validation import check_int
 
@@ -248,7 +249,7 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     check_int(max_estimates, "max_estimates", minimum=1, owner="search_plans")
     if not 0 <= margin < 1:
         raise ValueError(f"search_plans(margin=...) must be in [0, 1), got {margin!r}")
-    host_free = free_device_memory("cpu")
+    host_free = host_budget if host_budget is not None else free_device_memory("cpu")
 
     def fits(est: Any) -> bool:
         """Within the budget, and the host memory it needs free now (a pinned page cannot be swapped)."""

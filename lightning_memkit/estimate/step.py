@@ -123,6 +123,7 @@ class MemoryEstimate:
     step_bytes: int = 0  # bytes of the storages the step creates (what its memory-bound ops write)
     host_bytes: int = 0  # the step's peak of host memory (offloaded bytes), apart from the device peak_bytes
     optimizer_step_bytes: int = 0  # of step_bytes, those optimizer.step() creates (once per optimizer step)
+    host_steady_bytes: int = 0  # of host_bytes, those alive through the step (an offloaded optimizer's state)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -536,6 +537,7 @@ class StepTrace:
     layers: list[str] = field(default_factory=list)
     host_bytes: int = 0  # the recorded step's host peak (offloaded bytes)
     optimizer_bytes: int = 0  # of allocated, the bytes optimizer.step() created
+    host_steady: int = 0  # host bytes alive when the recorded step starts
 
     def estimate(self, optimizer: str, seconds: float) -> MemoryEstimate:
         return MemoryEstimate(phases=self.phases, peak_bytes=max(p.peak_bytes for p in self.phases[1:]),
@@ -543,7 +545,8 @@ class StepTrace:
                               optimizer=optimizer, precision=self.precision, features=self.features,
                               assumptions=_assumptions(any("MoE" in f for f in self.features), self.target),
                               seconds=seconds, step_flops=self.flops, step_bytes=self.allocated,
-                              host_bytes=self.host_bytes, optimizer_step_bytes=self.optimizer_bytes)
+                              host_bytes=self.host_bytes, optimizer_step_bytes=self.optimizer_bytes,
+                              host_steady_bytes=self.host_steady)
 
 
 class WarmupMismatch(RuntimeError):
@@ -597,6 +600,7 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         _classify_static(run)
         before = {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"}
         tracker.allocated, tracker.allocated_by_phase = 0, {}
+        steady = tracker.host_live_bytes
         fast.counting = True
         _step(run, record=True)
         fast.counting = False
@@ -617,7 +621,7 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         del run, model, optim, blocks
     return StepTrace(phases, counts[0], counts[1], precision if plugin is None else type(plugin).__name__, features,
                      fast.flops, tracker.allocated, target, foreach, events, layers, host,
-                     tracker.allocated_by_phase.get("optimizer step", 0))
+                     tracker.allocated_by_phase.get("optimizer step", 0), steady)
 
 
 def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],

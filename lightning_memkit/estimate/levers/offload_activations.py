@@ -49,7 +49,8 @@ class OffloadActivations(Lever):
                    machine: Any = None) -> StepCost:
         if not choice or est is None or machine is None:
             return cost
-        copies = 2 * getattr(est, "host_bytes", 0) / machine.link_bytes_per_s
+        moved = getattr(est, "host_bytes", 0) - getattr(est, "host_steady_bytes", 0)  # not an offloaded optimizer's
+        copies = 2 * moved / machine.link_bytes_per_s
         overlapped = not machine.device.startswith("cpu")
         return cost.replace(micro=cost.micro + (max(copies - cost.micro, 0.0) if overlapped else copies))
 
