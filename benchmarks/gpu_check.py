@@ -43,6 +43,8 @@ _GRACE_S = 30.0  # a step may run this long past the budget before it is killed
 # benchmarks with nothing to measure on a GPU (each refuses --device cuda or measures host memory only)
 CPU_ONLY_BENCHMARKS = {"budget": "the device limit is simulated with LivePeak on CPU",
                        "hf_load": "host memory of a checkpoint load", "hf_qlora": "CPU only (bitsandbytes on CPU)",
+                       "levers": "device and host bytes counted apart by LivePeak on CPU; the budget's limit "
+                                 "simulated there, as in budget",
                        "peft_qlora": "CPU only (bitsandbytes on CPU)", "pipeline_mesh": "gloo processes on CPU"}
 
 
@@ -81,7 +83,8 @@ STEPS: tuple[Step, ...] = (
     _pytest("tests-memory", ["tests/measure", "tests/release", "tests/recompute", "tests/callbacks", "tests/demo",
                              "tests/common", "tests/offload", "tests/optim"],
             45, True),
-    _pytest("tests-docs", ["tests/test_docs.py", "tests/test_demo_doc.py", "tests/test_bench_docs.py"], 25, True),
+    _pytest("tests-docs", ["tests/test_docs.py", "tests/test_demo_doc.py", "tests/test_bench_docs.py",
+                           "tests/test_bench_levers.py"], 25, True),
     _pytest("tests-models", ["tests/hf", "tests/plugins", "tests/estimate", "tests/finetune"], 50, False),
     _pytest("tests-pipeline", ["tests/pipeline", "tests/strategies", "tests/reliability", "tests/cli",
                                "tests/test_architecture.py", "tests/test_gpu_check.py", "tests/test_import.py",
@@ -95,6 +98,7 @@ STEPS: tuple[Step, ...] = (
     _bench("phase_release", 20, False),
     _bench("live_peak", 10, False),
     _bench("overhead", 10, False),
+    _bench("step_time", 30, False),
     _bench("mxfp4", 15, False),
     _bench("nosave_bnb", 15, False, ("bitsandbytes",)),
     _bench("pipeline_partition", 15, False),
