@@ -30,7 +30,7 @@ __all__ = ["H100", "MachineBalance", "probe_machine", "step_seconds"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _CACHE: dict[str, MachineBalance] = {}
-_VERSION = 1  # of the probe: a cached answer of another version is measured again
+_VERSION = 2  # of the probe: a cached answer of another version is measured again
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,12 @@ class MachineBalance:
     gemm_flops: dict[str, float] = field(default_factory=dict)
     memory_bytes_per_s: float = 0.0
     link_bytes_per_s: float = 0.0
+    host_memory_bytes_per_s: float = 0.0  # the host's memory (where an offloaded optimizer steps); 0: the device's
+
+    @property
+    def host_bandwidth(self) -> float:
+        """The host's memory bandwidth: the device's own on a CPU."""
+        return self.host_memory_bytes_per_s or self.memory_bytes_per_s
 
     def gemm(self, dtype: str) -> float:
         """The GEMM rate of ``dtype`` (``"bfloat16"``, ``"float32"``; another dtype: the slowest measured)."""
@@ -120,9 +126,12 @@ def _measure(device: torch.device, key: str) -> MachineBalance:
     if device.type == "cuda":
         host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         link = size / _best_seconds(lambda: src.copy_(host, non_blocking=True), device)
+        other = torch.empty_like(host)
+        host_memory = 2 * size / _best_seconds(lambda: other.copy_(host), torch.device("cpu"))
     else:
         link = size / _best_seconds(lambda: dst.copy_(src), device)
-    return MachineBalance(key, gemm, memory, link)
+        host_memory = 0.0
+    return MachineBalance(key, gemm, memory, link, host_memory)
 
 
 def _cache_file() -> Path | None:

@@ -31,13 +31,10 @@ class OffloadOptimizerLever(OptimizerStateLever):
         bandwidth)."""
         if not choice or est is None or machine is None:
             return cost
-        from lightning_memkit.measure.machine import probe_machine
-
         size = 2 if getattr(est, "precision", "") in ("bf16-true", "16-true") else 4
         trainable = getattr(est, "trainable_parameters", 0) * size
-        host = machine if machine.device.startswith("cpu") else probe_machine("cpu")
         return cost.replace(link=cost.link + 2 * trainable / machine.link_bytes_per_s,
-                            once=cost.once + 7 * trainable / host.memory_bytes_per_s)
+                            once=cost.once + 7 * trainable / machine.host_bandwidth)
 
     def wrap(self, factory: Any) -> Any:
         from lightning_memkit.optim.host_offload import host_offload
