@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_memkit.estimate.levers.base import Lever, StepCost, StepSpec, TrainerEdit, Written, find_callback
+from lightning_memkit.estimate.levers.base import StepCost, StepSpec
+from lightning_memkit.estimate.levers.switch import SwitchLever
 
 __all__ = ["OFFLOAD_ACTIVATIONS", "OffloadActivations", "offload_patch"]
 
@@ -31,19 +32,11 @@ def offload_patch(model: Any) -> Any:
     return offload_activations(blocks, root=model)
 
 
-class OffloadActivations(Lever):
-    name, kind, keeps_math, default = "offload_activations", "work", True, False
+class OffloadActivations(SwitchLever):
+    name, kind, keeps_math = "offload_activations", "work", True
     callback = "lightning_memkit.callbacks.ActivationOffloading"
     wraps_module = True
-
-    def strength(self, choice: Any) -> int:
-        return int(choice)
-
-    def options(self, base: Any, run: Any) -> list[Any]:
-        return [base] if base or not run.allows(self.name) else [False, True]
-
-    def words(self, choice: Any, base: Any) -> str:
-        return "activation offload" if choice else "no activation offload"
+    label, change_label = "activation offload", "activation offload to host memory"
 
     def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any, est: Any = None,
                    machine: Any = None) -> StepCost:
@@ -57,31 +50,6 @@ class OffloadActivations(Lever):
     def to_step(self, choice: Any, spec: StepSpec) -> None:
         if choice:
             spec.patches.append(offload_patch)
-
-    def write_hf(self, plan: Any, run: Any, out: Written) -> None:
-        if plan[self.name]:
-            out.callbacks.append({"class_path": self.callback})
-
-    write_config = write_hf
-
-    def write_module(self, plan: Any, run: Any, out: Written) -> None:
-        if plan[self.name] and not run.base[self.name]:
-            out.callbacks.append({"class_path": self.callback})
-
-    def read_trainer(self, trainer: Any) -> Any:
-        return find_callback(trainer, self.callback) is not None
-
-    def read_config(self, trainer: dict[str, Any]) -> Any:
-        from lightning_memkit.common.class_paths import class_name
-
-        return any(class_name(c) == "ActivationOffloading" for c in trainer.get("callbacks") or [])
-
-    def apply(self, choice: Any, base: Any, edit: TrainerEdit) -> None:
-        from lightning_memkit.common.class_paths import instantiate
-
-        if choice and not base:
-            edit.added.append(instantiate({"class_path": self.callback}))
-            edit.change("activation offload to host memory (ActivationOffloading)")
 
 
 OFFLOAD_ACTIVATIONS = OffloadActivations()

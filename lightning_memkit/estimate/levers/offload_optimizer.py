@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_memkit.estimate.levers.base import StepCost, StepSpec, TrainerEdit, Written
+from lightning_memkit.estimate.levers.base import StepCost, StepSpec, TrainerEdit
 from lightning_memkit.estimate.levers.optimizer_in_backward import OPTIMIZER_IN_BACKWARD
 from lightning_memkit.estimate.levers.optimizer_state import OptimizerStateLever
 
@@ -54,20 +54,10 @@ class OffloadOptimizerLever(OptimizerStateLever):
             super().to_step(choice, spec)
 
     def entry_for(self, plan: Any) -> dict[str, Any]:
-        entry = self.entry()
+        entry: dict[str, Any] = {"class_path": self.callback}
         if plan.get("optimizer_in_backward"):
             entry["init_args"] = {"offload_gradients": True}
         return entry
-
-    def write_hf(self, plan: Any, run: Any, out: Written) -> None:
-        if plan[self.name]:
-            out.callbacks.append(self.entry_for(plan))
-
-    write_config = write_hf
-
-    def write_module(self, plan: Any, run: Any, out: Written) -> None:
-        if plan[self.name] and not run.base[self.name]:
-            out.callbacks.append(self.entry_for(plan))
 
     def apply(self, choice: Any, base: Any, edit: TrainerEdit) -> None:
         from lightning_memkit.common.class_paths import instantiate
@@ -77,6 +67,5 @@ class OffloadOptimizerLever(OptimizerStateLever):
             edit.added.append(instantiate(entry))
             gradients = ", gradients offloaded as they complete" if entry.get("init_args") else ""
             edit.change(f"{self.label}{gradients} (OffloadOptimizer)")
-
 
 OFFLOAD_OPTIMIZER = OffloadOptimizerLever()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_memkit.estimate.levers.base import Lever, StepSpec, TrainerEdit, Written, find_callback
+from lightning_memkit.estimate.levers.base import StepSpec
+from lightning_memkit.estimate.levers.switch import SwitchLever
 
 __all__ = ["OPTIMIZER_LEVERS", "OptimizerStateLever"]
 
@@ -27,20 +28,15 @@ OPTIMIZER_LEVERS = ("optimizer_in_backward", "offload_optimizer", "optimizer_8bi
 TOGETHER = frozenset({"optimizer_in_backward", "offload_optimizer"})
 
 
-class OptimizerStateLever(Lever):
+class OptimizerStateLever(SwitchLever):
     """Base of the optimizer-state levers. Subclasses set ``name``, ``kind``, ``keeps_math``, ``callback``, ``label``
     (plan words), ``accepts`` (optimizer class names it wraps, ``None``: torch's per-parameter ones) and define
     :meth:`wrap`."""
 
-    default = False
-    label = ""
     accepts: tuple[str, ...] | None = None
     # not planned with gradient accumulation (micro-batches included): the step in backward would step each one; the
     # host offload's peak under accumulation is not yet what the fake step predicts (up to 20% above it, measured)
     refuses_accumulation = False
-
-    def strength(self, choice: Any) -> int:
-        return int(choice)
 
     def unavailable(self, run: Any) -> str | None:
         """Why ``run`` cannot pull this lever, or ``None``."""
@@ -63,11 +59,6 @@ class OptimizerStateLever(Lever):
     def takes(self, optimizer: str) -> bool:
         return optimizer.lower() in {n.lower() for n in self.accepted()}
 
-    def options(self, base: Any, run: Any) -> list[Any]:
-        if base or not run.allows(self.name) or self.unavailable(run):
-            return [base]
-        return [False, True]
-
     def conflicts(self, plan: Any, run: Any) -> bool:
         if not plan[self.name]:
             return False
@@ -77,12 +68,6 @@ class OptimizerStateLever(Lever):
         split = 0 < plan["micro_batch"] < run.batch_size
         return bool(others) or (self.refuses_accumulation and split)
 
-    def words(self, choice: Any, base: Any) -> str:
-        return self.label if choice else f"no {self.label}"
-
-    def entry(self) -> dict[str, Any]:
-        return {"class_path": self.callback}
-
     def wrap(self, factory: Any) -> Any:
         """The fake step's optimizer factory with the lever on."""
         raise NotImplementedError
@@ -90,28 +75,3 @@ class OptimizerStateLever(Lever):
     def to_step(self, choice: Any, spec: StepSpec) -> None:
         if choice:
             spec.optimizer.append(self.wrap)
-
-    def write_hf(self, plan: Any, run: Any, out: Written) -> None:
-        if plan[self.name]:
-            out.callbacks.append(self.entry())
-
-    write_config = write_hf
-
-    def write_module(self, plan: Any, run: Any, out: Written) -> None:
-        if plan[self.name] and not run.base[self.name]:
-            out.callbacks.append(self.entry())
-
-    def read_trainer(self, trainer: Any) -> Any:
-        return find_callback(trainer, self.callback) is not None
-
-    def read_config(self, trainer: dict[str, Any]) -> Any:
-        from lightning_memkit.common.class_paths import class_name
-
-        return any(class_name(c) == class_name(self.callback) for c in trainer.get("callbacks") or [])
-
-    def apply(self, choice: Any, base: Any, edit: TrainerEdit) -> None:
-        from lightning_memkit.common.class_paths import instantiate
-
-        if choice and not base:
-            edit.added.append(instantiate(self.entry()))
-            edit.change(f"{self.label} ({self.callback.rpartition('.')[2]})")
