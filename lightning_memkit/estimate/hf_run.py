@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_memkit.estimate.levers import Plan
+from lightning_memkit.estimate.levers import Plan, lever
 from lightning_memkit.estimate.runs import LeverRun, check_allow
 
 __all__ = ["HFRun"]
@@ -71,7 +71,7 @@ class HFRun(LeverRun):
         if self.base["quantization"] is None and not causal_lm_config_problems(self.config):
             layers = int(getattr(self.config, "num_hidden_layers", 0) or 0)
             # the levers the pipeline's estimate models: every other lever as given
-            precision = max(self.axes(), key=lambda p: p.strength())["precision"]
+            precision = lever("precision").options(self.base["precision"], self)[-1]  # the strongest
             for stages in [s for s in (2, 4, 8) if s <= layers]:
                 yield self.base.replace(precision=precision, recompute="full", fused_loss=True,
                                         micro_batch=self.batch_size, stages=stages)
