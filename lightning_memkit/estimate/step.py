@@ -597,6 +597,8 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
             warmed = _synthetic_warmup(run)
         else:
             _step(run, record=False)
+        if zero_grad == "accumulate":
+            _previous_micro_step(run, warmed if warmup == "synthetic" else run.grads)
         _classify_static(run)
         before = {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"}
         tracker.allocated, tracker.allocated_by_phase = 0, {}
@@ -641,9 +643,20 @@ def _synthetic_warmup(run: _Run) -> dict[str, tuple[int, torch.dtype]]:
         for p in run.model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-    run.optimizer.step()
-    return {n: (p.grad.untyped_storage().nbytes(), p.grad.dtype) for n, p in run.model.named_parameters()
-            if p.grad is not None}
+    grads = {n: (p.grad.untyped_storage().nbytes(), p.grad.dtype) for n, p in run.model.named_parameters()
+             if p.grad is not None}
+    run.optimizer.step()  # (an optimizer may free the gradients: the host offload does)
+    return grads
+
+
+def _previous_micro_step(run: _Run, grads: dict[str, tuple[int, torch.dtype]]) -> None:
+    """``zero_grad="accumulate"``: the recorded micro-step follows one whose backward left ``grads`` (by parameter
+    name) and no optimizer step; give back, as zeros, those an optimizer freed at the warm-up's step (the host
+    offload does)."""
+    with torch.no_grad():
+        for name, p in run.model.named_parameters():
+            if name in grads and p.grad is None:
+                p.grad = torch.zeros_like(p, dtype=grads[name][1], memory_format=torch.preserve_format)
 
 
 def _build_logged(model_factory: Callable[[], nn.Module], precision: str, plugin: Any,

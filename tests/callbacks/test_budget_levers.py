@@ -90,3 +90,17 @@ def test_a_lever_the_trainer_refuses_is_said_in_one_line_and_left_out(caplog):
     said = [r.getMessage() for r in caplog.records if "lever is off" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("MemoryBudget: the optimizer_in_backward lever is off: gradient "
                                                  "clipping (gradient_clip_val=1.0)")
+
+
+@pytest.mark.parametrize("key", ["tiny", "llama"])
+def test_the_host_offload_is_planned_under_accumulation_and_its_estimate_holds(key):
+    """With accumulate_grad_batches=2 the gradients accumulate on the device and leave it at the step: the plan's
+    estimate is the fit's peak within 1% and the losses are those of the run without it."""
+    shape, family = MODELS[key]
+    peak, _, losses = _fit(shape, family=family, accumulate_grad_batches=2)
+    budget = MemoryBudget(int(peak * 0.95), allow=["offload_optimizer"])
+    measured, host, got = _fit(shape, budget, family=family, accumulate_grad_batches=2)
+    assert budget.changes == ["optimizer state on the host (OffloadOptimizer)"]
+    assert measured <= budget.budget_bytes and host > 0
+    assert abs(measured / budget.plan.peak_bytes - 1) <= 0.01
+    assert got == pytest.approx(losses, abs=1e-6)

@@ -29,22 +29,24 @@ def test_which_runs_may_pull_them():
     assert OPTIMIZER_IN_BACKWARD.unavailable(_Run("LBFGS")).startswith("it wraps SGD, Adam, AdamW")
     assert OPTIMIZER_IN_BACKWARD.unavailable(_Run(accumulate=4)) == (
         "accumulate_grad_batches=4: each backward would step the parameters at once")
-    assert OFFLOAD_OPTIMIZER.unavailable(_Run(accumulate=4)).startswith("accumulate_grad_batches=4")
+    assert OFFLOAD_OPTIMIZER.unavailable(_Run(accumulate=4)) is None  # the gradients accumulate on the device
     why = "gradient clipping (gradient_clip_val=1.0) needs the gradients"
     assert OPTIMIZER_IN_BACKWARD.unavailable(_Run(refusals={"optimizer_in_backward": why})) == why
     assert OPTIMIZER_IN_BACKWARD.options(False, _Run(accumulate=2)) == [False]
     assert OPTIMIZER_IN_BACKWARD.options(True, _Run(accumulate=2)) == [True]  # the run as given stays
 
 
-def test_one_optimizer_callback_per_plan_and_none_with_micro_batches():
+def test_one_optimizer_callback_per_plan_and_no_step_in_backward_with_micro_batches():
     plan = {"micro_batch": 8, "optimizer_in_backward": True, "offload_optimizer": False, "optimizer_8bit": False}
     assert not OPTIMIZER_IN_BACKWARD.conflicts(plan, _Run())
     assert OPTIMIZER_IN_BACKWARD.conflicts({**plan, "micro_batch": 4}, _Run())
     # the two go together as OffloadOptimizer(offload_gradients=True); neither with 8 bits, nor with micro-batches
     assert not OPTIMIZER_IN_BACKWARD.conflicts({**plan, "offload_optimizer": True}, _Run())
     assert OPTIMIZER_IN_BACKWARD.conflicts({**plan, "optimizer_8bit": True}, _Run())
-    assert OFFLOAD_OPTIMIZER.conflicts({**plan, "optimizer_in_backward": False, "offload_optimizer": True,
-                                        "micro_batch": 4}, _Run())
+    assert OPTIMIZER_IN_BACKWARD.conflicts({**plan, "offload_optimizer": True, "micro_batch": 4}, _Run())
+    # the host offload alone takes micro-batches: the gradients accumulate on the device until the step
+    assert not OFFLOAD_OPTIMIZER.conflicts({**plan, "optimizer_in_backward": False, "offload_optimizer": True,
+                                            "micro_batch": 4}, _Run())
     assert not OPTIMIZER_8BIT.conflicts(plan, _Run())  # off: nothing to refuse
 
 

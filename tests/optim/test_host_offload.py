@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loops import adamw, assert_same_state, batches, estimates, mlp, resumes_both_ways, run, train, two_groups
+from loops import adamw, assert_same_state, batches, chain, estimates, mlp, resumes_both_ways, run, train, two_groups
 
 from lightning_memkit.measure.live_peak import LivePeak
 from lightning_memkit.measure.storage import unique_storage_bytes
@@ -85,6 +85,34 @@ def test_the_estimate_has_no_optimizer_state_on_the_device():
     assert plain.phases[1].optimizer_state == 2 * weights  # exp_avg, exp_avg_sq (not the steps, made by torch.tensor)
     # the forward: neither the state nor the last step's gradients (freed once copied) are on the device
     assert plain.phases[1].peak_bytes - lever.phases[1].peak_bytes == 3 * weights
+
+
+
+@pytest.mark.parametrize("warmup", ["synthetic", "step"])
+def test_under_accumulation_the_estimate_keeps_the_gradients_of_the_previous_micro_step(warmup):
+    """A micro-step after the first runs with the gradients the one before left (the offload frees them only at
+    the optimizer step): the estimate counts them, and its peak is the measured one of such a micro-step."""
+    from lightning_memkit.estimate.step import estimate_training_memory
+
+    width, rows = 128, 2
+    args = (lambda: chain(width), lambda: torch.randn(rows, width))
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    est = estimate_training_memory(*args, optimizer=host_offload(adamw), loss_fn=loss, zero_grad="accumulate",
+                                   warmup=warmup)
+    weights = 3 * width * width * 4
+    assert est.phases[1].gradients == weights  # alive through the forward
+    with LivePeak() as lp:
+        model = chain(width)
+        opt = host_offload(adamw)(model)
+        for _ in range(2):  # a first optimizer step of two micro-batches
+            loss(model, torch.randn(rows, width)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss(model, torch.randn(rows, width)).backward()  # the next one's first: its gradients stay on the device
+        lp.reset_peak()
+        loss(model, torch.randn(rows, width)).backward()
+        opt.step()
+    assert lp.peak_bytes == est.peak_bytes
 
 
 @pytest.mark.cuda

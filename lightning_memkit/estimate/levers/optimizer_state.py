@@ -34,8 +34,7 @@ class OptimizerStateLever(SwitchLever):
     :meth:`wrap`."""
 
     accepts: tuple[str, ...] | None = None
-    # not planned with gradient accumulation (micro-batches included): the step in backward would step each one; the
-    # host offload's peak under accumulation is not yet what the fake step predicts (up to 20% above it, measured)
+    # not planned with gradient accumulation (micro-batches included): the step in backward would step each one
     refuses_accumulation = False
 
     def unavailable(self, run: Any) -> str | None:
