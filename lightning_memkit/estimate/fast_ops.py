@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_memkit.measure.fake_repeat import repeat_factor
+
 __all__ = ["FastOps"]
 
 _aten = torch.ops.aten
@@ -112,7 +114,7 @@ class FastOps(TorchDispatchMode):
         if self.counting:
             formula = self.registry.get(func.overloadpacket)
             if formula is not None:
-                self.flops += int(formula(*args, **kwargs, out_val=out))
+                self.flops += int(formula(*args, **kwargs, out_val=out)) * repeat_factor()
         return out
 
     def _check(self, func: Any, args: tuple, kwargs: dict, short: torch.Tensor) -> bool:

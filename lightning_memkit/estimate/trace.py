@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_memkit.measure.fake_repeat import repeat_factor
 from lightning_memkit.measure.live_peak import HOST, LivePeak, StorageEntry, device_key
 from lightning_memkit.measure.storage import has_storage, iter_op_tensors, storage_key, storage_of
 
@@ -184,8 +185,9 @@ class CategoryTracker(LivePeak):
                 self._change(device, nbytes)
                 return
             if self.phase is not None:
-                self.allocated += nbytes
-                self.allocated_by_phase[self.phase] = self.allocated_by_phase.get(self.phase, 0) + nbytes
+                counted = nbytes * repeat_factor()  # a loop's one iteration standing for all (fake_repeat)
+                self.allocated += counted
+                self.allocated_by_phase[self.phase] = self.allocated_by_phase.get(self.phase, 0) + counted
             self.totals[tag[0]] += nbytes
             self._change(device, nbytes)
             if self.log is not None and self.phase is not None:
@@ -354,7 +356,7 @@ class FlopCount(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = self.registry.get(func.overloadpacket)
         if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
+            self.total += int(formula(*args, **kwargs, out_val=out)) * repeat_factor()
         return out
 
 

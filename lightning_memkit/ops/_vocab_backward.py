@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
 from lightning_memkit.ops._cross_entropy_common import RowGrad, apply_row_grad, row_grad, row_terms
 from lightning_memkit.ops._head_numerics import head_softcap, head_softcap_backward
 
@@ -58,22 +59,26 @@ def vocab_sliced_grads(x, weight, bias, target, lse, scale, setup, weights, need
     dx = torch.empty_like(x) if need[0] and one else None
     dw = torch.empty_like(weight) if need[1] else None
     db = torch.empty(v, dtype=torch.float32, device=x.device) if need[2] else None
-    for s in range(0, v, cols):
+    # fake tensors (an estimate): the slices of full width are alike, one stands for them all (its counts taken as
+    # often); the values would differ, the storages do not
+    for s, count in alike_runs(v, cols, is_fake(x)):
         e = min(s + cols, v)
         z = half[: n * (e - s)].view(n, e - s)
         kz = None if keep is None else keep[: n * (e - s)].view(n, e - s)
-        _slice_logits(x, weight, bias, s, e, z, o.softcap, kz)
-        _slice_gradient(z, f32, lse, coefs, ok, safe, s, e, block, None if weights is None else weights.weight[s:e])
-        if kz is not None:
-            head_softcap_backward(z, o.softcap, kz)
-        if dw is not None:
-            torch.mm(z.t(), x, out=dw[s:e])
-        if db is not None:
-            torch.sum(z, 0, dtype=torch.float32, out=db[s:e])
-        if dx is not None:
-            torch.mm(z, weight, out=dx)
-        elif acc is not None:
-            acc.add_(torch.mm(z, weight[s:e], out=part))
+        with stands_for(count):
+            _slice_logits(x, weight, bias, s, e, z, o.softcap, kz)
+            _slice_gradient(z, f32, lse, coefs, ok, safe, s, e, block,
+                            None if weights is None else weights.weight[s:e])
+            if kz is not None:
+                head_softcap_backward(z, o.softcap, kz)
+            if dw is not None:
+                torch.mm(z.t(), x, out=dw[s:e])
+            if db is not None:
+                torch.sum(z, 0, dtype=torch.float32, out=db[s:e])
+            if dx is not None:
+                torch.mm(z, weight, out=dx)
+            elif acc is not None:
+                acc.add_(torch.mm(z, weight[s:e], out=part))
     del half, keep, f32, part
     if acc is not None:
         dx = acc.to(x.dtype)

@@ -11,6 +11,7 @@ from cross_entropy_oracle import make_target
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_memkit.estimate.trace import FlopCount
 from lightning_memkit.memory import LivePeak
 from lightning_memkit.ops import linear_cross_entropy
 from lightning_memkit.ops._cross_entropy_common import CrossEntropyOptions
@@ -132,12 +133,16 @@ def _step(fake: bool, counter, reduction="mean", softcap=None) -> int:
 
 @pytest.mark.parametrize(("reduction", "softcap"), [("mean", None), ("none", 5.0)])
 def test_on_fake_tensors_the_slices_have_the_bytes_and_flops_of_the_real_ones(reduction, softcap):
-    """An estimate traces one float32 block per slice: the same storages (LivePeak's peak), the same FLOPs."""
-    real_flops, fake_flops = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    """An estimate traces one float32 block per slice, and one slice of full width for all of them (its FLOPs
+    counted as often, as the estimate's counters do): the same storages (LivePeak's peak), the same FLOPs."""
+    real_flops, fake_flops = FlopCount(), FlopCount()
     real = _step(False, real_flops, reduction, softcap)
     fake = _step(True, fake_flops, reduction, softcap)
     assert fake == real
-    assert fake_flops.get_total_flops() == real_flops.get_total_flops() == 4 * 2 * 96 * 32 * 1000
+    assert fake_flops.total == real_flops.total == 4 * 2 * 96 * 32 * 1000
+    torch_count = FlopCounterMode(display=False)  # torch's own counter sees the one slice standing for the others
+    _step(True, torch_count, reduction, softcap)
+    assert torch_count.get_total_flops() < real_flops.total
 
 
 def test_backward_holds_one_slice_one_block_and_the_dx_accumulator_beyond_the_gradients():

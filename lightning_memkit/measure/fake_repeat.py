@@ -1,0 +1,59 @@
+"""A loop of alike iterations run once on fake tensors (an estimate), its counts taken as often as it would run.
+
+On fake tensors an op costs the same whatever its sizes, and an op that allocates costs the most (~0.3 ms): a loop
+over thin slices of a wide weight (the fused loss's backward on a CPU walks the vocabulary a few columns at a time)
+runs thousands of alike iterations whose storages come and go the same way, and an estimate of a long sequence
+spends minutes in it. Such a loop runs one iteration of each kind instead, inside :func:`stands_for`; the counters
+of a fake step (the FLOPs of :class:`~lightning_memkit.estimate.fast_ops.FastOps`, the bytes allocated of
+:class:`~lightning_memkit.estimate.trace.CategoryTracker`) multiply what they count there by
+:func:`repeat_factor`. The peak is unchanged: every iteration allocates and frees the same storages.
+
+Example::
+
+    >>> with stands_for(3):
+    ...     with stands_for(2):
+    ...         repeat_factor()
+    6
+    >>> repeat_factor()
+    1
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+__all__ = ["alike_runs", "repeat_factor", "stands_for"]
+
+_FACTOR = [1]
+
+
+def repeat_factor() -> int:
+    """How many iterations the ops running now stand for (1 outside :func:`stands_for`)."""
+    return _FACTOR[0]
+
+
+@contextlib.contextmanager
+def stands_for(count: int) -> Iterator[None]:
+    """The ops inside count ``count`` times (nested: the product)."""
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"stands_for(count={count!r}): a positive int")
+    _FACTOR[0] *= count
+    try:
+        yield
+    finally:
+        _FACTOR[0] //= count
+
+
+def alike_runs(stop: int, step: int, fake: bool) -> list[tuple[int, int]]:
+    """``(start, count)`` for a loop ``range(0, stop, step)``: each start once (``count`` 1) unless ``fake``, then the
+    first full step standing for every full one and the last, shorter one (if any) for itself.
+
+        >>> alike_runs(10, 3, fake=True), alike_runs(9, 3, fake=True), alike_runs(4, 3, fake=False)
+        ([(0, 3), (9, 1)], [(0, 3)], [(0, 1), (3, 1)])
+    """
+    if not fake:
+        return [(s, 1) for s in range(0, stop, step)]
+    full = stop // step
+    runs = [(0, full)] if full else []
+    return runs + ([(full * step, 1)] if stop % step else [])
