@@ -603,6 +603,8 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         before = {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"}
         tracker.allocated, tracker.allocated_by_phase = 0, {}
         steady = tracker.host_live_bytes
+        if events is not None:  # the layers' tensors are theirs from the start: a step in backward reads them there
+            _claim_layers(events, blocks, optim)
         fast.counting = True
         _step(run, record=True)
         fast.counting = False
