@@ -45,7 +45,8 @@ CPU_ONLY_BENCHMARKS = {"budget": "the device limit is simulated with LivePeak on
                        "hf_load": "host memory of a checkpoint load", "hf_qlora": "CPU only (bitsandbytes on CPU)",
                        "levers": "device and host bytes counted apart by LivePeak on CPU; the budget's limit "
                                  "simulated there, as in budget",
-                       "peft_qlora": "CPU only (bitsandbytes on CPU)", "pipeline_mesh": "gloo processes on CPU"}
+                       "peft_qlora": "CPU only (bitsandbytes on CPU)", "pipeline_mesh": "gloo processes on CPU",
+                       "plans_8b": "estimates made on this machine for a CUDA device; no step runs"}
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ STEPS: tuple[Step, ...] = (
                              "tests/common", "tests/offload", "tests/optim"],
             45, True),
     _pytest("tests-docs", ["tests/test_docs.py", "tests/test_demo_doc.py", "tests/test_bench_docs.py",
-                           "tests/test_bench_levers.py"], 25, True),
+                           "tests/test_bench_levers.py", "tests/test_bench_plans_8b.py"], 25, True),
     _pytest("tests-models", ["tests/hf", "tests/plugins", "tests/estimate", "tests/finetune"], 50, False),
     _pytest("tests-pipeline", ["tests/pipeline", "tests/strategies", "tests/reliability", "tests/cli",
                                "tests/test_architecture.py", "tests/test_gpu_check.py", "tests/test_import.py",

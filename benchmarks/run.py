@@ -83,7 +83,8 @@ def _source_lines(data: dict) -> list[str]:
 
 
 def _entry_lines(e: dict, title: str) -> list[str]:
-    """``title``, the baseline, the table of ``e['rows']`` and the goal's verdict, each block followed by a blank."""
+    """``title``, the baseline, the table of ``e['rows']``, the verbatim ``e['text']`` if any, and the goal's verdict,
+    each block followed by a blank."""
     lines = [title, "", f"Baseline: {e['baseline']}.", ""]
     cols: list[str] = []
     for r in e["rows"]:
@@ -93,6 +94,8 @@ def _entry_lines(e: dict, title: str) -> list[str]:
     for r in e["rows"]:
         lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
     lines.append("")
+    if e.get("text"):  # verbatim output of the case (e.g. a plan's YAML)
+        lines += ["```", *e["text"].rstrip("\n").splitlines(), "```", ""]
     if e.get("goal"):
         verdict = {True: "met", False: "NOT met", None: "not judged"}[e.get("met")]
         lines += [f"Goal: {e['goal']} -> **{verdict}**.", ""]

@@ -95,6 +95,14 @@ def test_region_without_selector_shows_every_entry(results):
     assert out.endswith("| base | 2,048 | 1 |\n\n<!-- /bench -->")
 
 
+def test_an_entry_s_verbatim_text_is_a_code_block_after_its_table(results):
+    payload = json.loads((results / "toy-cpu.json").read_text())
+    payload["entries"][0]["text"] = "trainer:\n  precision: bf16-true\n"
+    (results / "toy-cpu.json").write_text(json.dumps(payload))
+    out = run.render_regions("<!-- bench: toy-cpu small -->\n<!-- /bench -->", results)
+    assert "| ours | 1,024 | 0.5 |\n\n```\ntrainer:\n  precision: bf16-true\n```\n\nGoal: half -> **met**." in out
+
+
 def test_region_naming_a_missing_result_file(results):
     with pytest.raises(run.RegionError, match=r"^page\.md:2: no result file .*toy-cuda\.json for region "
                                               r"'toy-cuda'; available: \['toy-cpu'\]$"):
