@@ -106,7 +106,7 @@ def test_search_returns_fitting_plans_cheapest_first(llama_json: Path) -> None:
     assert not result.base.fits and result.base.peak_bytes == base.peak_bytes
     assert result.fitting and len(lines) == result.estimated
     assert all(r.peak_bytes * 1.05 <= budget for r in result.fitting)
-    overheads = [r.overhead for r in result.fitting]
+    overheads = [round(r.overhead, 6) for r in result.fitting]  # equal costs (to rounding) go by fewer changes
     assert overheads == sorted(overheads)
     best = result.fitting[0]
     accumulate = best.plan["micro_batch"] < run.batch_size
