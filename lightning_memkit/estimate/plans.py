@@ -122,11 +122,6 @@ class SearchResult:
 
 
 # -- the search --------------------------------------------------------------------------------------------------
-def _changes(plan: Plan, base: Plan) -> int:
-    """How many levers ``plan`` sets otherwise than ``base``."""
-    return sum(plan[name] != base[name] for name in plan)
-
-
 def _strongest(plans: list[Plan]) -> list[Plan]:
     """The plans no other one is stronger than, strongest first: one plan (each lever at its strongest) where the levers
     combine freely, several where some choices exclude each other (the optimizer-state levers)."""
@@ -285,7 +280,7 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
                 break
     # the cheapest; at the same predicted cost the one changing fewer levers (a free lever that cuts nothing does not
     # come first), then the strongest
-    fitting = sorted(search.fitting, key=lambda r: (r.plan["stages"], round(r.overhead, 6), _changes(r.plan, base.plan),
+    fitting = sorted(search.fitting, key=lambda r: (r.plan["stages"], round(r.overhead, 6), r.plan.changes(base.plan),
                                                     -sum(r.plan.strength())))
     return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped,
                         search.capped, time.perf_counter() - search.start)

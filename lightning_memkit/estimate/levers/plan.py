@@ -78,6 +78,10 @@ class Plan(Mapping[str, Any]):
         words = [x.words(v, b) for x, v, b in zip(LEVERS, self._values, base._values, strict=True) if v != b]
         return ", ".join(w for w in words if w) or "the run as given"
 
+    def changes(self, base: Plan) -> int:
+        """How many levers this plan sets otherwise than ``base``."""
+        return sum(v != b for v, b in zip(self._values, base._values, strict=True))
+
     def search_order(self, base: Plan) -> tuple[float, int]:
         """Least added work first; then the choices that lower memory without adding work, strongest first."""
         work, free = 0, 0
