@@ -18,7 +18,15 @@ STEPS, PER_EPOCH = 6, 2
 
 def features(names: str) -> tuple[list, list]:
     """``(callbacks, plugins)`` for comma-separated feature names."""
-    from lightning_memkit.callbacks import ActivationCheckpointing, FusedLinearCrossEntropy, MemoryBudget
+    from lightning_memkit.callbacks import (
+        ActivationCheckpointing,
+        ActivationOffloading,
+        FusedLinearCrossEntropy,
+        MemoryBudget,
+        OffloadOptimizer,
+        Optimizer8bit,
+        OptimizerInBackward,
+    )
     from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
 
     made = {
@@ -26,6 +34,10 @@ def features(names: str) -> tuple[list, list]:
         "fused": lambda: FusedLinearCrossEntropy(),
         "budget": lambda: MemoryBudget("2500KiB"),  # plans checkpointing and the fused loss for this model
         "qlora": lambda: NoSaveBitsandbytesPrecision("nf4", "bfloat16", lora_rank=4),
+        "offload": lambda: ActivationOffloading(),
+        "in_backward": lambda: OptimizerInBackward(),
+        "host_optimizer": lambda: OffloadOptimizer(offload_gradients=True),
+        "adamw8bit": lambda: Optimizer8bit(),
     }
     objs = [made[n]() for n in names.split(",") if n and n != "-"]
     plugins = [o for o in objs if not isinstance(o, Callback)]
@@ -39,8 +51,16 @@ class Record(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
         self.path.write_text(json.dumps(self.losses))
+        self.path.with_suffix(".active.json").write_text(json.dumps(active(trainer)))
         if trainer.global_step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def active(trainer: Trainer) -> dict:
+    """What shows the levers at work in the batch just ended: the optimizer's class (a lever's stand-in) and the
+    bytes activation offload moved to host memory."""
+    moved = [c.step_bytes for c in trainer.callbacks if type(c).__name__ == "ActivationOffloading"]
+    return {"optimizer": type(trainer.optimizers[0]).__name__, "offloaded_bytes": sum(b or 0 for b in moved)}
 
 
 def fit(out: Path, names: str, kill_at: int = -1, resume: bool = False, steps: int = STEPS) -> list[float]:

@@ -1,6 +1,7 @@
-"""A fit with the package's features, killed with SIGKILL mid-training and resumed with ``ckpt_path="last"``, has
-the losses of the fit that never stopped, bitwise on CPU; a checkpoint stays loadable when checkpointing or the
-fused loss is added on resume (the same math, to float32 rounding)."""
+"""A fit with the package's features (activation offload and the optimizer-state levers too), killed with SIGKILL
+mid-training and resumed with ``ckpt_path="last"``, has the losses of the fit that never stopped, bitwise on CPU; a
+checkpoint stays loadable when checkpointing or the fused loss is added on resume (the same math, to float32
+rounding)."""
 
 import json
 import signal
@@ -25,7 +26,21 @@ def _killed_and_resumed(tmp_path, names, kill_at=5):
     assert len(seen) == kill_at  # the last checkpoint holds step kill_at - 1, an epoch's end (2 steps per epoch)
     resumed = _child(tmp_path, names, -1, "resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_levers_at_work(json.loads((tmp_path / "resumed.active.json").read_text()), names.split(","))
     return seen[: kill_at - 1] + json.loads((tmp_path / "resumed.json").read_text())
+
+
+OPTIMIZER = {"in_backward": "InBackwardOptimizer", "host_optimizer": "HostOffloadOptimizer",
+             "adamw8bit": "EightBitAdamW"}
+
+
+def _assert_levers_at_work(active, names):
+    """The resumed fit's last batch ran with the levers it was given (their losses alone could not tell: most keep
+    the math bitwise). MemoryBudget may pull an optimizer lever of its own choice."""
+    wanted = [OPTIMIZER[n] for n in names if n in OPTIMIZER]
+    if wanted or "budget" not in names:
+        assert active["optimizer"] == (wanted[0] if wanted else "AdamW"), active
+    assert (active["offloaded_bytes"] > 0) == ("offload" in names), active
 
 
 @pytest.mark.parametrize("names", [
@@ -34,6 +49,11 @@ def _killed_and_resumed(tmp_path, names, kill_at=5):
     pytest.param("fused", marks=pytest.mark.slow),
     pytest.param("budget", marks=pytest.mark.slow),
     pytest.param("qlora", marks=pytest.mark.slow),  # in the fast suite within the first case
+    pytest.param("offload", marks=pytest.mark.slow),
+    pytest.param("in_backward", marks=pytest.mark.slow),
+    pytest.param("host_optimizer", marks=pytest.mark.slow),
+    pytest.param("adamw8bit", marks=pytest.mark.slow),
+    pytest.param("qlora,checkpointing,offload,host_optimizer", marks=pytest.mark.slow),
 ])
 def test_a_fit_killed_mid_training_resumes_with_the_uninterrupted_losses(tmp_path, names):
     stitched = _killed_and_resumed(tmp_path, names)
