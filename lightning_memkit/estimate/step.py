@@ -283,7 +283,7 @@ class _Run:
     plugin: Any = None
     fake_batch: bool = False
     before_step: Callable[[], None] | None = None  # called before the recorded optimizer step (EventLog claims)
-    grads: dict[str, tuple[int, torch.dtype]] = field(default_factory=dict)  # after the last backward
+    grads: dict[str, tuple[int, torch.dtype]] = field(default_factory=dict)  # made by the last backward
 
 
 def _classify_static(run: _Run) -> None:
@@ -324,10 +324,9 @@ def _step(run: _Run, record: bool) -> None:
     if run.zero_grad == "after_forward":
         run.optimizer.zero_grad(set_to_none=True)
     tr.start_phase("backward" if record else None, "transient")
+    run.grads.clear()  # filled as each gradient completes (_record_gradients' hooks)
     loss.backward()
     del loss
-    run.grads = {n: (p.grad.untyped_storage().nbytes(), p.grad.dtype) for n, p in run.model.named_parameters()
-                 if p.grad is not None}
     if record and run.before_step is not None:
         run.before_step()
     tr.start_phase("optimizer step" if record else None, "transient")
@@ -581,11 +580,13 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         clock = ModuleClock(names)
         tracker.clock = clock
+        grads: dict[str, tuple[int, torch.dtype]] = {}
+        _record_gradients(model, grads, stack)  # before the optimizer's own hooks (a step in backward frees them)
         optim = make_optimizer(model)
         if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(f"{_OWNER}(optimizer=...) must make a torch.optim.Optimizer, got {type(optim).__name__}")
         run = _Run(model, optim, tracker, batch_factory, loss_fn or default_loss,
-                   precision, zero_grad, gaps, plugin, fake_batch)
+                   precision, zero_grad, gaps, plugin, fake_batch, grads=grads)
         blocks = layer_blocks(model) if log else []
         if events is not None:
             events.layer_of.update({f"{name}.{sub}" if sub else name: j for j, (name, block) in enumerate(blocks)
@@ -611,9 +612,9 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         if warmup == "synthetic":
             kept = {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"} - before
             if warmed != run.grads or kept:
-                grads = "differ" if warmed != run.grads else "match"
+                same = "differ" if warmed != run.grads else "match"
                 raise WarmupMismatch(f"{_OWNER}: the recorded step after a synthetic warm-up is not a steady state "
-                                     f"({len(kept)} new storages kept, gradients {grads})")
+                                     f"({len(kept)} new storages kept, gradients {same})")
         phases = [PhaseEstimate.from_peak(name, tracker.phase_peaks[name]) for name in ("load", *STEP_PHASES)]
         foreach = _foreach_step_bytes(optim) if target == "cuda" else 0
         phases[-1].peak_bytes += foreach
@@ -636,6 +637,19 @@ def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Cal
         return trace_training_step(model_factory, batch_factory, make_optimizer, warmup="synthetic", **kwargs)
     except WarmupMismatch:
         return trace_training_step(model_factory, batch_factory, make_optimizer, **kwargs)
+
+
+def _record_gradients(model: nn.Module, grads: dict[str, tuple[int, torch.dtype]], stack: contextlib.ExitStack
+                      ) -> None:
+    """File each trainable parameter's gradient (bytes, dtype) by name in ``grads`` as its backward completes it:
+    a post-accumulate-grad hook registered before any optimizer's, so an optimizer that steps in backward and
+    frees the gradient (the step in backward, the host offload) cannot hide it. Removed when ``stack`` closes."""
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            def seen(t: torch.Tensor, name: str = name) -> None:
+                grads[name] = (t.grad.untyped_storage().nbytes(), t.grad.dtype)
+
+            stack.callback(p.register_post_accumulate_grad_hook(seen).remove)
 
 
 def _synthetic_warmup(run: _Run) -> dict[str, tuple[int, torch.dtype]]:

@@ -132,6 +132,29 @@ def test_a_synthetic_warmup_gives_the_same_estimate() -> None:
         estimate_training_memory(_mlp, _batch, warmup="none")
 
 
+@pytest.mark.parametrize("lever", ["in_backward", "host_offload"])
+def test_a_step_in_backward_after_a_synthetic_warmup_is_traced_once(lever) -> None:
+    """An optimizer that steps in backward and frees each gradient (the step in backward, the host offload of the
+    gradients) still shows the gradients its backward made: the synthetic warm-up is checked, not traced again,
+    and gives a real first step's bytes."""
+    from lightning_memkit.optim.host_offload import host_offload
+    from lightning_memkit.optim.in_backward import in_backward
+
+    adamw = lambda model: torch.optim.AdamW(model.parameters())  # noqa: E731
+    make = in_backward(adamw) if lever == "in_backward" else host_offload(adamw, offload_gradients=True)
+    built = []
+
+    def factory() -> nn.Module:
+        built.append(1)
+        return _mlp()
+
+    real = estimate_training_memory(factory, _batch, loss_fn=_loss, optimizer=make)
+    assert len(built) == 1
+    synthetic = estimate_training_memory(factory, _batch, loss_fn=_loss, optimizer=make, warmup="synthetic")
+    assert len(built) == 2  # one model: no second trace after a real first step
+    assert synthetic.phases == real.phases
+
+
 def test_ops_of_real_tensors_that_expand_past_the_limit_are_fake() -> None:
     from torch._subclasses.fake_tensor import is_fake
 
