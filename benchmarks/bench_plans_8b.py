@@ -44,7 +44,15 @@ def _gib(n: int) -> float:
 
 
 def _case(label: str, flags: tuple[str, ...]) -> dict[str, Any]:
-    run = _command(("--hf-config", CONFIG, *flags, "--json"))
+    return plan_entry("plans_8b", f"Llama-3-8B {label}", ("--hf-config", CONFIG, *flags))
+
+
+def plan_entry(benchmark: str, label: str, args: tuple[str, ...]) -> dict[str, Any]:
+    """``memkit estimate <args> --json`` (a ``--budget`` search) in a fresh interpreter as an entry of
+    ``benchmark``: the run as given and every plan found (levers, device peak, host bytes, predicted step time,
+    devices), the search's counts and time, the goal (the first single-device plan fits the budget with the
+    margin) and the first plan's YAML."""
+    run = _command((*args, "--json"))
     out = json.loads(run["out"])
     plans = [p for p in out["plans"] if p.get("stages", 1) == 1]
     first = plans[0] if plans else None
@@ -56,11 +64,11 @@ def _case(label: str, flags: tuple[str, ...]) -> dict[str, Any]:
         rows.append({"impl": f"plan {i}", "plan": p["plan"], "device peak GiB": _gib(p["peak_bytes"]),
                      "host GiB": _gib(p["host_bytes"]), "step time (predicted)": f"{p['overhead']:+.0%}",
                      "devices": p.get("stages", 1)})
-    case = (f"Llama-3-8B {label} (memkit estimate --hf-config {CONFIG} {' '.join(flags)}): {out['estimated']} plans "
+    case = (f"{label} (memkit estimate {' '.join(args)}): {out['estimated']} plans "
             f"estimated, {out['skipped']} ruled out without an estimate; searched in {out['seconds']} s "
             f"({run['seconds']} s with start-up, load average {run['load']} before)")
     fits = first is not None and first["peak_bytes"] * (1 + out["margin"]) <= out["budget_bytes"]
-    entry = record("plans_8b", case, "the run as given", rows,
+    entry = record(benchmark, case, "the run as given", rows,
                    goal=f"a single-device plan within {_gib(out['budget_bytes'])} GiB with the "
                         f"{out['margin']:.0%} margin", met=fits)
     if first is not None:

@@ -46,7 +46,8 @@ CPU_ONLY_BENCHMARKS = {"budget": "the device limit is simulated with LivePeak on
                        "levers": "device and host bytes counted apart by LivePeak on CPU; the budget's limit "
                                  "simulated there, as in budget",
                        "peft_qlora": "CPU only (bitsandbytes on CPU)", "pipeline_mesh": "gloo processes on CPU",
-                       "plans_8b": "estimates made on this machine for a CUDA device; no step runs"}
+                       "plans_8b": "estimates made on this machine for a CUDA device; no step runs",
+                       "recipes": "estimates made on this machine for a CUDA device; no step runs"}
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,17 @@
-"""``benchmarks/bench_plans_8b.py`` runs end to end on a tiny Llama config (one lever allowed, a budget only the
-recomputed step meets) and its entry renders with the first plan's YAML; the figures come from
-``python -m benchmarks.run``."""
+"""``benchmarks/bench_plans_8b.py`` and ``bench_recipes.py`` run end to end on a tiny Llama config (one lever
+allowed, a budget only the recomputed step meets) and their entries render with the first plan's YAML; a recipe
+without its planning command is refused; the figures come from ``python -m benchmarks.run``."""
 
 import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = str(Path(__file__).resolve().parents[1])  # holds the `benchmarks` package
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-from benchmarks import bench_plans_8b, run  # noqa: E402
+from benchmarks import bench_plans_8b, bench_recipes, run  # noqa: E402
 from lightning_memkit.demo.hf_models import tiny_hf_config  # noqa: E402
 
 
@@ -26,3 +28,24 @@ def test_plans_benchmark_smoke(tmp_path, monkeypatch):
     assert "activation checkpointing" in rows["plan 1"]["plan"] and rows["plan 1"]["devices"] == 1
     assert entry["met"] is True and "ActivationCheckpointing" in entry["text"]
     assert "```\n#" in "\n".join(run._entry_lines(entry, "t"))
+
+
+def test_recipes_benchmark_runs_the_commands_a_recipe_header_names(tmp_path, monkeypatch):
+    config = tmp_path / "llama.json"
+    config.write_text(tiny_hf_config("llama", vocab_size=1000, num_layers=2).to_json_string())
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "tiny.yaml").write_text(
+        f"# Planned for 10 MiB: `memkit estimate --hf-config {config} --seq-len 256 --batch-size 2\n"
+        "# --allow recompute --budget 10MiB` predicts ...\n# and `memkit estimate --hf-config "
+        f"{config} --seq-len 256 --batch-size 2 --allow recompute --budget 1KiB`.\nmodel: {{}}\n# not the header\n")
+    monkeypatch.setattr(bench_recipes, "RECIPES", recipes)
+    data = json.loads(run.run_one("recipes", "cpu", False, tmp_path).read_text())
+    fits, tight = data["entries"]
+    assert fits["case"].startswith(f"tiny.yaml (memkit estimate --hf-config {config} --seq-len 256 --batch-size 2 "
+                                   "--allow recompute --budget 10MiB)")
+    assert fits["met"] is True and "ActivationCheckpointing" in fits["text"]
+    assert "--budget 1KiB" in tight["case"] and tight["met"] is False
+    (recipes / "tiny.yaml").write_text("# a recipe that does not say how it was planned\nmodel: {}\n")
+    with pytest.raises(ValueError, match="tiny.yaml: its header must name the `memkit estimate"):
+        bench_recipes.run()

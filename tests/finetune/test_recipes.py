@@ -51,3 +51,32 @@ def test_a_recipe_fits_resumes_and_exports_on_a_tiny_model(recipe, tmp_path, cap
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).config.vocab_size == vocab
+
+
+def test_each_recipe_states_the_plans_its_benchmark_found():
+    """A recipe's header says what `python -m benchmarks.run --only recipes` found for each `memkit estimate`
+    command it names: the peak as given, and the first plan's peak, levers and step time (or that none fits)."""
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from benchmarks.bench_recipes import header, planned_for
+
+    entries = json.loads((repo / "benchmarks" / "results" / "recipes-cpu.json").read_text())["entries"]
+    for recipe in RECIPES:
+        said = header(recipe)
+        for args in planned_for(recipe):
+            label = f"{recipe.name} (memkit estimate {' '.join(args)})"
+            entry = next((e for e in entries if e["case"].startswith(label)), None)
+            assert entry is not None, f"no benchmark entry for {label}: run the recipes benchmark"
+            rows = {r["impl"]: r for r in entry["rows"]}
+            given = f"predicts {rows['the run as given']['device peak GiB']:.2f} GiB for the run as given"
+            assert given in said, (recipe.name, given)
+            if entry["met"]:
+                first = rows["plan 1"]
+                plan = (f"{first['device peak GiB']:.2f} GiB with {first['plan']} (step time "
+                        f"{first['step time (predicted)']}, predicted)")
+                assert plan in said, (recipe.name, plan)
+            else:
+                assert "finds no plan that fits" in said, recipe.name
