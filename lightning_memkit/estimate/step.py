@@ -580,8 +580,7 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         clock = ModuleClock(names)
         tracker.clock = clock
-        grads: dict[str, tuple[int, torch.dtype]] = {}
-        _record_gradients(model, grads, stack)  # before the optimizer's own hooks (a step in backward frees them)
+        grads = _record_gradients(model, stack)  # before the optimizer's own hooks (a step in backward frees them)
         optim = make_optimizer(model)
         if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(f"{_OWNER}(optimizer=...) must make a torch.optim.Optimizer, got {type(optim).__name__}")
@@ -639,17 +638,23 @@ def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Cal
         return trace_training_step(model_factory, batch_factory, make_optimizer, **kwargs)
 
 
-def _record_gradients(model: nn.Module, grads: dict[str, tuple[int, torch.dtype]], stack: contextlib.ExitStack
-                      ) -> None:
-    """File each trainable parameter's gradient (bytes, dtype) by name in ``grads`` as its backward completes it:
-    a post-accumulate-grad hook registered before any optimizer's, so an optimizer that steps in backward and
+def _grad_record(p: torch.Tensor) -> tuple[int, torch.dtype]:
+    """What the warm-up check compares of a parameter's gradient: its storage's bytes and its dtype."""
+    return p.grad.untyped_storage().nbytes(), p.grad.dtype
+
+
+def _record_gradients(model: nn.Module, stack: contextlib.ExitStack) -> dict[str, tuple[int, torch.dtype]]:
+    """A dict that files each trainable parameter's gradient (:func:`_grad_record`) by name as its backward completes
+    it: a post-accumulate-grad hook registered before any optimizer's, so an optimizer that steps in backward and
     frees the gradient (the step in backward, the host offload) cannot hide it. Removed when ``stack`` closes."""
+    grads: dict[str, tuple[int, torch.dtype]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             def seen(t: torch.Tensor, name: str = name) -> None:
-                grads[name] = (t.grad.untyped_storage().nbytes(), t.grad.dtype)
+                grads[name] = _grad_record(t)
 
             stack.callback(p.register_post_accumulate_grad_hook(seen).remove)
+    return grads
 
 
 def _synthetic_warmup(run: _Run) -> dict[str, tuple[int, torch.dtype]]:
@@ -659,8 +664,7 @@ def _synthetic_warmup(run: _Run) -> dict[str, tuple[int, torch.dtype]]:
         for p in run.model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-    grads = {n: (p.grad.untyped_storage().nbytes(), p.grad.dtype) for n, p in run.model.named_parameters()
-             if p.grad is not None}
+    grads = {n: _grad_record(p) for n, p in run.model.named_parameters() if p.grad is not None}
     run.optimizer.step()  # (an optimizer may free the gradients: the host offload does)
     return grads
 
