@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = str(Path(__file__).resolve().parents[1])  # holds the `benchmarks` package
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -14,6 +16,7 @@ from benchmarks import bench_levers, run  # noqa: E402
 SMOKE = bench_levers.Shape(hidden=32, layers=2, vocab=256, batch=2, seq=16, steps=2, timed_steps=3, skip=2)
 
 
+@pytest.mark.slow  # 20 s: the fast suite runs the levers through their own tests
 def test_levers_benchmark_smoke(tmp_path, monkeypatch):
     levers = {name: make for name, make in bench_levers.LEVERS}
     kept = ("none (baseline)", "activation offload", "offload optimizer")

@@ -15,6 +15,7 @@ from benchmarks import bench_plans_8b, bench_recipes, run  # noqa: E402
 from lightning_memkit.demo.hf_models import tiny_hf_config  # noqa: E402
 
 
+@pytest.mark.slow  # plan_entry also runs in the fast suite through the recipes smoke test below
 def test_plans_benchmark_smoke(tmp_path, monkeypatch):
     config = tmp_path / "llama.json"
     config.write_text(tiny_hf_config("llama", vocab_size=1000, num_layers=2).to_json_string())
@@ -30,6 +31,7 @@ def test_plans_benchmark_smoke(tmp_path, monkeypatch):
     assert "```\n#" in "\n".join(run._entry_lines(entry, "t"))
 
 
+@pytest.mark.slow
 def test_recipes_benchmark_runs_the_commands_a_recipe_header_names(tmp_path, monkeypatch):
     """Every backticked command of the header (not the YAML below it) becomes an entry labelled by the recipe's file;
     the one run here is a budget no plan fits (the plans_8b smoke above renders a plan that fits)."""

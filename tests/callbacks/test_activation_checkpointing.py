@@ -342,7 +342,8 @@ def _checkpoint_regions(graphs):
     return sum(node.target is hop for gm in graphs for node in gm.graph.nodes)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=pytest.mark.slow),
+                                     pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_model_trains_with_selective_and_full_recompute(backend, fresh_dynamo, request):
     """Recompute traced into the compiled graph (one checkpoint region per block), same losses, lower peak."""
     torch.manual_seed(0)

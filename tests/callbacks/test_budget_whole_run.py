@@ -38,7 +38,7 @@ def variable_as_is() -> tuple[int, list[float]]:
     return peak, losses.steps
 
 
-@pytest.mark.parametrize("declare", [True, False], ids=["declared", "scanned"])
+@pytest.mark.parametrize("declare", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["declared", "scanned"])
 def test_variable_lengths_hold_sixty_percent_with_the_same_losses(declare, variable_as_is) -> None:
     peak, reference = variable_as_is
     budget = MemoryBudget(int(peak * 0.6))
@@ -95,7 +95,7 @@ def tiny_as_is() -> list[float]:
     return _fit_tiny()[0].steps
 
 
-@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("where", [w if w == "forward" else pytest.param(w, marks=pytest.mark.slow) for w in WHERE])
 def test_an_out_of_memory_step_is_replanned_and_rerun_with_the_same_losses(where, tiny_as_is) -> None:
     budget = MemoryBudget("1GiB")
     fault = InjectOOM(where, at_step=3, micro=2 if where != "optimizer" else 1)  # the window's second micro-batch
@@ -109,6 +109,7 @@ def test_an_out_of_memory_step_is_replanned_and_rerun_with_the_same_losses(where
     assert f"re-planned at step 3, batch 8x32, 8x32: out of memory in the {where_words}" in budget.memory_effect()
 
 
+@pytest.mark.slow  # its twin in the fast suite: test_micro_batch_split's past-the-retry-limit test
 def test_a_third_error_past_the_retry_limit_stops_with_one_line() -> None:
     budget = MemoryBudget("1GiB", max_retries=2)
     with pytest.raises(StepRetriesExhausted) as err:
@@ -141,6 +142,7 @@ def _fit_tiny_resumable(dirpath, max_steps, *callbacks, ckpt_path=None) -> tuple
     return losses, trainer
 
 
+@pytest.mark.slow  # a budgeted fit resumed in the fast suite: test_resume_features
 def test_a_resumed_run_keeps_the_plan_it_was_re_planned_to(tmp_path) -> None:
     """A re-plan at step 3 (an out-of-memory error) is in the checkpoint of step 4: the resumed run trains with it
     from its first step, with the losses of the run that never stopped, and does not re-plan."""

@@ -50,7 +50,8 @@ def as_is() -> dict[str, tuple[int, list[float]]]:
     return out
 
 
-@pytest.mark.parametrize("kind, fraction", [("tiny_lm", 0.55), ("llama", 0.6), ("qwen3_moe", 0.6)])
+@pytest.mark.parametrize("kind, fraction", [pytest.param("tiny_lm", 0.55, marks=pytest.mark.slow), ("llama", 0.6),
+                                            pytest.param("qwen3_moe", 0.6, marks=pytest.mark.slow)])
 def test_the_fit_stays_within_the_budget_with_the_same_losses(kind: str, fraction: float, as_is) -> None:
     peak, losses = as_is[kind]
     budget = MemoryBudget(int(peak * fraction))

@@ -186,8 +186,10 @@ def _fit_family(family: str, *callbacks, peft: bool = False) -> list[float]:
     return losses.steps
 
 
-@pytest.mark.parametrize("family, where, peft", [("qwen3_moe", "forward", False), ("gpt_oss", "backward", False),
-                                                 ("qwen3_moe", "forward", True)], ids=["qwen3_moe", "gpt_oss", "peft"])
+@pytest.mark.parametrize("family, where, peft", [
+    ("qwen3_moe", "forward", False),
+    pytest.param("gpt_oss", "backward", False, marks=pytest.mark.slow),  # a backward fault: test_budget_whole_run
+    pytest.param("qwen3_moe", "forward", True, marks=pytest.mark.slow)], ids=["qwen3_moe", "gpt_oss", "peft"])
 def test_moe_and_peft_models_recover_an_out_of_memory_step_with_the_same_losses(family, where, peft) -> None:
     """MoE families (and a peft-wrapped one): the budget's recovery re-plans (micro-batches, fused loss) and runs
     the window again; the router and the experts see the same tokens, so the losses are the uninterrupted run's."""

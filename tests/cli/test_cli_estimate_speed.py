@@ -68,6 +68,7 @@ def test_an_hf_config_estimate_runs_without_lightning(tmp_path: Path) -> None:
     """) == "[]"
 
 
+@pytest.mark.slow  # composed and full traces agree in the fast suite: tests/estimate/test_compose.py
 def test_composed_by_default_and_the_same_bytes_with_full_trace(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "config.json"

@@ -14,6 +14,7 @@ def _stderr(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
 
 
+@pytest.mark.slow  # two fresh interpreters importing bitsandbytes (11 s)
 def test_the_notice_is_not_printed_after_the_package_is_imported():
     pytest.importorskip("bitsandbytes")
     plain = _stderr("import bitsandbytes")

@@ -80,19 +80,20 @@ def assert_same(composed, full) -> None:
 DEFAULT_FEATURES = ("plain", "qlora+checkpointing+fused")  # on Llama
 
 
-@pytest.mark.parametrize("features", DEFAULT_FEATURES)
+@pytest.mark.parametrize("features", [f if f == "plain" else pytest.param(f, marks=pytest.mark.slow)
+                                      for f in DEFAULT_FEATURES])  # QLoRA: in the optimizer levers' test below
 def test_composed_equals_the_full_trace(features: str, tmp_path: Path) -> None:
     path = config_file(tmp_path, "llama")
     kw = {**TOKENS, "precision": "bf16-true", **FEATURES[features]}
     assert_same(estimate_from_hf_config(path, compose=True, **kw), full_trace(path, **kw))
 
 
-
 WRAPS = {"in backward": lambda: (in_backward,), "host offload": lambda: (host_offload,),
          "host offload in backward": lambda: (lambda f: host_offload(f, offload_gradients=True),)}
 
 
-@pytest.mark.parametrize("wrap", sorted(WRAPS))
+@pytest.mark.parametrize("wrap", [w if w == "host offload in backward" else pytest.param(w, marks=pytest.mark.slow)
+                                  for w in sorted(WRAPS)])  # both hooks in backward in the fast suite
 def test_the_optimizer_levers_compose(wrap: str, tmp_path: Path) -> None:
     """A step in backward runs the optimizer on each layer's tensors inside the backward: its allocations are the
     layer's, and the step composes (it did not: it was traced in full, ten times slower at 32 layers)."""
@@ -100,6 +101,7 @@ def test_the_optimizer_levers_compose(wrap: str, tmp_path: Path) -> None:
     kw = {**TOKENS, **FEATURES["qlora+checkpointing+fused"], "precision": "bf16-true",
           "optimizer_wraps": WRAPS[wrap]()}
     assert_same(estimate_from_hf_config(path, compose=True, **kw), full_trace(path, **kw))
+
 
 #: every feature alone, and none, on a dense and an MoE family (the features' composition does not depend on the
 #: family beyond its layer kinds); Llama's DEFAULT_FEATURES run in the default suite, not twice. Every family with
@@ -127,6 +129,7 @@ def test_layer_patterns_compose(overrides: dict, tmp_path: Path) -> None:
     assert_same(estimate_from_hf_config(path, compose=True, **TOKENS), full_trace(path, precision="32-true", **TOKENS))
 
 
+@pytest.mark.slow
 def test_a_kind_no_sample_holds_falls_back_to_the_full_trace(tmp_path: Path) -> None:
     """The last layer dense (``mlp_only_layers=[6]`` of 7, the fewest that compose): no model cut to a few layers has
     such a layer last, nor an MoE layer last of its kind and followed by another, so the estimate traces the whole
@@ -147,6 +150,7 @@ def test_too_few_layers_are_traced_in_full(tmp_path: Path) -> None:
     assert not any("compose" in a for a in auto.assumptions) and auto.phases == est.phases
 
 
+@pytest.mark.slow
 def test_a_peak_that_moves_with_depth_is_found_where_it_is(tmp_path: Path) -> None:
     """Backward starts with every layer's saved activations alive and ends with every layer's gradients: with small
     activations and large weights the peak is at the start for the samples' few layers and at the end for many.

@@ -163,6 +163,7 @@ def _fit_peak(*configs: Path) -> int:
     return lp.peak_bytes
 
 
+@pytest.mark.slow  # a planned fit in the fast suite: test_memory_budget
 def test_training_with_the_plan_stays_within_the_budget(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -82,7 +82,8 @@ def _fit(tmp_path, dtype: str, peft: bool):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("peft", [False, True], ids=["own_adapters", "peft_adapters"])
+@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["own_adapters", "peft_adapters"])  # peft's adapters served in the fast suite below
 def test_exported_adapters_give_the_trained_model_in_plain_transformers_and_peft(tmp_path, fitted, dtype, peft):
     module, written, base = fitted(dtype, peft)
     meta = json.loads((written / BASE_FILE).read_text())
@@ -152,7 +153,8 @@ assert not {"lightning_memkit", "peft", "bitsandbytes"} & set(sys.modules), "ser
 """
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["own_adapters", "peft_adapters"])
+@pytest.mark.parametrize("peft", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["own_adapters", "peft_adapters"])  # own adapters round-trip in the fast suite above
 def test_the_merged_export_serves_with_transformers_alone(tmp_path, fitted, peft):
     """Not bitwise (``W + scaling * B @ A`` rounded once to bf16, where the trained model adds the rounded update
     to the base's output), measured 1.00 (peft's adapters) and 1.03 (the plugin's) bf16 steps off the trained

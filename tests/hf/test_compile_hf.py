@@ -104,6 +104,7 @@ def _check(names, backend):
             assert cb.summary["method"] == "AllocatorPeak" and cb.summary["measured_steps"] == 2
 
 
+@pytest.mark.slow
 def test_compiled_llama_with_selective_recompute_and_monitor_trains_like_eager():
     _check(["selective", "monitor"], "aot_eager")
 

@@ -144,6 +144,7 @@ LOAD_IN_A_FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_load_report_rss_covers_the_tensor_peak_in_a_fresh_process(tmp_path):
     """In a fresh process (no resident free heap to reuse), the RSS rise covers every tensor byte LivePeak saw."""
     out = subprocess.run([sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(tmp_path / "w.safetensors")],

@@ -372,9 +372,10 @@ def _bf16_step(fake: bool, reduction: str, accum_dtype, counter, logits_dtype=to
     return lp.peak_bytes
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("reduction", ["mean", pytest.param("none", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("accum_dtype", [None, torch.float32], ids=["bf16_dw", "fp32_dw"])
-@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=["fp32_logits", "rounded_logits"])
+@pytest.mark.parametrize("logits_dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16],
+                         ids=["fp32_logits", "rounded_logits"])
 def test_on_fake_tensors_the_slab_loops_are_one_product_with_the_same_bytes_and_flops(
         monkeypatch, reduction, accum_dtype, logits_dtype):
     """An estimate traces the CPU bf16 upcast path (float32 logits, or logits rounded to bf16 on a CPU without bf16

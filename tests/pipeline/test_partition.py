@@ -57,6 +57,7 @@ def problems(draw):
     return costs, ranks * v, schedule, microbatches
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_partition_is_the_brute_force_optimum(problem):

@@ -77,7 +77,7 @@ def _check_features(names: str, results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize(("names", "victim"), [
-    ("qlora,fused,checkpointing,budget", 1),
+    pytest.param("qlora,fused,checkpointing,budget", 1, marks=pytest.mark.slow),  # one process: the fast suite
     pytest.param("fused,checkpointing,budget", 0, marks=pytest.mark.slow),
     pytest.param("checkpointing,budget", 1, marks=pytest.mark.slow),  # the budget turns on the fused loss
     pytest.param("fused", 0, marks=pytest.mark.slow),
