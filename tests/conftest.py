@@ -99,6 +99,19 @@ def _seed():
     torch.manual_seed(0)
 
 
+#: the balance a test that asserts which plan is chosen ranks with, whatever machine runs it (``MEMKIT_MACHINE``)
+PINNED_MACHINE = "h100"
+
+
+@pytest.fixture
+def pinned_machine(monkeypatch):
+    """Plans ranked with one fixed balance (an H100's) in this test and the processes it starts, not with this
+    machine's probe: the plan a test asserts is then the same on any machine (``tests/test_machine_independence.py``
+    runs such tests with very different balances forced on them)."""
+    monkeypatch.setenv("MEMKIT_MACHINE", PINNED_MACHINE)
+    return PINNED_MACHINE
+
+
 _LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 

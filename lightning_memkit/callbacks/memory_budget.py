@@ -128,6 +128,10 @@ class MemoryBudget(Callback):
         max_estimates: the most estimates one search runs.
         max_retries: out-of-memory steps recovered per fit (0: an out-of-memory error stops the run).
         scan_seconds: the longest the scan of the training set's sample lengths may take.
+        machine: the device balance the plans are ranked with: a preset (``"h100"``), a JSON object of
+            :class:`~lightning_memkit.measure.machine.MachineBalance`'s fields or the path of a file holding one
+            (``None``: ``MEMKIT_MACHINE`` when set, else the training device's probe). Pinned, the same run and
+            budget choose the same plan on any machine.
 
     Attributes:
         budget_bytes: the budget in bytes (after ``setup``).
@@ -139,8 +143,10 @@ class MemoryBudget(Callback):
     """
 
     def __init__(self, budget: int | str | float, margin: float = 0.05, allow: Sequence[str] = DEFAULT_ALLOW,
-                 max_estimates: int = 48, max_retries: int = 2, scan_seconds: float = 30.0) -> None:
+                 max_estimates: int = 48, max_retries: int = 2, scan_seconds: float = 30.0,
+                 machine: Any = None) -> None:
         from lightning_memkit.estimate.module import AXES
+        from lightning_memkit.measure.machine import machine_balance
 
         self.budget = check_budget(budget)
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
@@ -155,6 +161,7 @@ class MemoryBudget(Callback):
         self.max_estimates = check_int(max_estimates, "max_estimates", minimum=1, owner=_OWNER)
         self.max_retries = check_int(max_retries, "max_retries", minimum=0, owner=_OWNER)
         self.scan_seconds = check_number(scan_seconds, "scan_seconds", minimum=0, owner=_OWNER)
+        self.machine = None if machine is None else machine_balance(machine, "machine", _OWNER)
         self.budget_bytes: int | None = None
         self.plan: Any = None
         self.planned_on = ""
@@ -320,7 +327,7 @@ class MemoryBudget(Callback):
 
         say = _say if trainer.is_global_zero else (lambda _line: None)
         with unmeasured():
-            return search_plans(run, max(budget, 1), margin=self.margin, max_plans=1,
+            return search_plans(run, max(budget, 1), margin=self.margin, max_plans=1, machine=self.machine,
                                 max_estimates=self.max_estimates, progress=lambda line: say(f"{_OWNER}: {line}"))
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str]) -> Any:

@@ -81,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", default=None,
                    help="with --budget: host memory the plans may keep offloaded bytes in, e.g. 128GiB (default: what "
                    "this machine has free now)")
+    p.add_argument("--machine", default=None,
+                   help="with --budget: the device balance the plans are ranked with: h100, a JSON object of "
+                   "gemm_flops, memory_bytes_per_s, link_bytes_per_s (and host_memory_bytes_per_s), or a file holding "
+                   "one (default: MEMKIT_MACHINE when set, else this machine's probe; an H100's for --device cuda "
+                   "without one)")
     p.add_argument("--margin", type=float, default=None,
                    help="with --budget: a plan fits when its peak plus this fraction is within the budget "
                    "(default 0.05, the estimate's accuracy goal)")
@@ -127,7 +132,7 @@ def _check_budget(args: argparse.Namespace) -> None:
     from lightning_memkit.common.sizes import parse_bytes
 
     if args.budget is None:
-        for key in ("margin", "max_plans", "max_estimates", "allow", "host_memory"):
+        for key in ("margin", "max_plans", "max_estimates", "allow", "host_memory", "machine"):
             if getattr(args, key) is not None:
                 raise ConfigError(f"--{key.replace('_', '-')}: only with --budget")
         return
@@ -139,6 +144,13 @@ def _check_budget(args: argparse.Namespace) -> None:
             args.host_memory = parse_bytes(args.host_memory)
         except ValueError as err:
             raise ConfigError(f"--host-memory: {err}") from None
+    if args.machine is not None:
+        from lightning_memkit.measure.machine import machine_balance
+
+        try:
+            args.machine = machine_balance(args.machine, "--machine")
+        except (TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from None
     if args.allow is not None:
         from lightning_memkit.estimate.runs import check_allow
 
@@ -249,7 +261,7 @@ def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     else:
         run = ConfigRun(args.config, list(overrides), allow=_allow(args.allow))
     result = search_plans(run, args.budget, margin=args.margin, max_plans=args.max_plans,
-                          max_estimates=args.max_estimates, host_budget=args.host_memory,
+                          max_estimates=args.max_estimates, host_budget=args.host_memory, machine=args.machine,
                           progress=lambda line: print(f"memkit estimate: {line}", file=sys.stderr, flush=True))
     print(result.to_json() if args.json else result)
     return result

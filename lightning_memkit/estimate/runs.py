@@ -108,15 +108,11 @@ class LeverRun:
     target = "cpu"  # the device the run trains on: "cpu" or "cuda"
 
     def machine(self) -> Any:
-        """The balance of the device the run trains on: measured here when it is here
-        (:func:`~lightning_memkit.measure.machine.probe_machine`), an H100's for a CUDA device that is not."""
-        import torch
+        """The balance the run's plans are ranked with
+        (:func:`~lightning_memkit.measure.machine.planning_balance` of the device it trains on)."""
+        from lightning_memkit.measure.machine import planning_balance
 
-        from lightning_memkit.measure.machine import H100, probe_machine
-
-        if self.target == "cuda" and not torch.cuda.is_available():
-            return H100
-        return probe_machine(self.target)
+        return planning_balance(self.target)
 
     def compute_dtype(self, plan: Plan) -> str:
         """The dtype of the step's matmuls under ``plan`` (its precision's)."""

@@ -7,12 +7,23 @@ planner's step time model prices a step with it (:func:`step_seconds`): its matm
 rate of its dtype, twice the bytes its other operators write at the memory bandwidth, the bytes it moves between
 host and device at the link's. :data:`H100` is the balance assumed for a CUDA device that is not here to probe.
 
+A measured balance depends on the machine and on how busy it is; a plan ranked with it can differ from one machine
+to the next. :func:`planning_balance` is the balance the planner ranks with: one given (``MemoryBudget(machine=...)``,
+``memkit estimate --machine``), else the one the environment pins (``MEMKIT_MACHINE``: a preset name such as
+``h100``, a JSON object of :class:`MachineBalance`'s fields, or the path of a file holding one), else the probe's.
+:func:`machine_balance` reads any of these forms.
+
 Example (a balance given, not measured)::
 
     >>> from lightning_memkit.measure.machine import MachineBalance, step_seconds
     >>> m = MachineBalance("a device", gemm_flops={"float32": 1e12}, memory_bytes_per_s=1e11, link_bytes_per_s=1e10)
     >>> step_seconds(m, flops=2e12, write_bytes=5e10, link_bytes=1e10, dtype="float32")
     4.0
+    >>> machine_balance('{"gemm_flops": {"float32": 1e12}, "memory_bytes_per_s": 1e11, "link_bytes_per_s": 1e10}')
+    MachineBalance(device='given', gemm_flops={'float32': 1000000000000.0}, memory_bytes_per_s=100000000000.0, \
+link_bytes_per_s=10000000000.0, host_memory_bytes_per_s=0.0)
+    >>> machine_balance("h100") is H100
+    True
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["H100", "MachineBalance", "probe_machine", "step_seconds"]
+__all__ = ["H100", "PRESETS", "MachineBalance", "machine_balance", "planning_balance", "probe_machine", "step_seconds"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _CACHE: dict[str, MachineBalance] = {}
@@ -58,6 +69,74 @@ class MachineBalance:
 # measured for pinned copies): the balance assumed for a CUDA device this machine does not have.
 H100 = MachineBalance("NVIDIA H100 SXM (assumed)", {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
                       3.35e12, 55e9)
+
+
+#: balances by name, for ``machine_balance("h100")`` and ``MEMKIT_MACHINE=h100``
+PRESETS: dict[str, MachineBalance] = {"h100": H100}
+_FIELDS = ("device", "gemm_flops", "memory_bytes_per_s", "link_bytes_per_s", "host_memory_bytes_per_s")
+_ENV = "MEMKIT_MACHINE"
+
+
+def machine_balance(spec: Any, name: str = "machine", owner: str | None = None) -> MachineBalance:
+    """``spec`` as a :class:`MachineBalance`: one already, a preset name (:data:`PRESETS`), a mapping of its fields
+    (``device`` optional) or that mapping as a JSON object, inline or in a file named by its path. Anything else is a
+    ``ValueError``/``TypeError`` naming ``name`` (of ``owner``) and what is allowed."""
+    where = f"{owner}({name}=...)" if owner else name
+    allowed = (f"a preset ({', '.join(PRESETS)}), a JSON object of {', '.join(_FIELDS)} (device optional), or the "
+               "path of a file holding one")
+    if isinstance(spec, MachineBalance):
+        return spec
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text.lower() in PRESETS:
+            return PRESETS[text.lower()]
+        if not text.startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except OSError as err:
+                raise ValueError(f"{where} must be {allowed}; got {spec!r} ({err.strerror or err})") from None
+        try:
+            spec = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"{where} must be {allowed}; got {spec!r}, not JSON ({err})") from None
+    if not isinstance(spec, dict):
+        raise TypeError(f"{where} must be {allowed}; got {spec!r}")
+    return _from_fields(spec, where, allowed)
+
+
+def _from_fields(fields: dict, where: str, allowed: str) -> MachineBalance:
+    unknown = sorted(set(fields) - set(_FIELDS))
+    missing = [k for k in _FIELDS[1:4] if k not in fields]
+    if unknown or missing:
+        what = "; ".join(f"{label} {', '.join(keys)}" for label, keys in (("unknown", unknown), ("missing", missing))
+                         if keys)
+        raise ValueError(f"{where} must be {allowed}: {what}")
+    gemm = fields["gemm_flops"]
+    rates = [fields[k] for k in _FIELDS[2:] if k in fields]
+    if (not isinstance(gemm, dict) or not gemm or not all(_positive(v) for v in gemm.values())
+            or not all(_positive(v) for v in rates[:2]) or not all(_positive(v) or v == 0 for v in rates[2:])):
+        raise ValueError(f"{where}: gemm_flops must map dtype names to rates > 0 and the bandwidths must be > 0 "
+                         f"(host_memory_bytes_per_s >= 0); got {fields!r}")
+    return MachineBalance(str(fields.get("device", "given")), {str(k): float(v) for k, v in gemm.items()},
+                          *(float(v) for v in rates))
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def planning_balance(target: str = "cpu", machine: Any = None) -> MachineBalance:
+    """The balance the planner ranks plans with on ``target`` (``"cpu"`` or ``"cuda"``): ``machine`` when given
+    (any form :func:`machine_balance` reads), else the ``MEMKIT_MACHINE`` environment variable's when set, else the
+    device's probe (:func:`probe_machine`), or :data:`H100`'s for a CUDA device this machine does not have."""
+    if machine is not None:
+        return machine_balance(machine)
+    pinned = os.environ.get(_ENV, "").strip()
+    if pinned:
+        return machine_balance(pinned, _ENV)
+    if target == "cuda" and not torch.cuda.is_available():
+        return H100
+    return probe_machine(target)
 
 
 def step_seconds(machine: MachineBalance, flops: float, write_bytes: float, link_bytes: float = 0.0,

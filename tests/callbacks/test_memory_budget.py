@@ -146,6 +146,8 @@ def test_an_existing_policy_is_kept_and_made_stronger(as_is) -> None:
     ({"budget": "1GiB", "allow": "recompute"}, TypeError, "must be a list of axis names"),
     ({"budget": "1GiB", "max_retries": -1}, ValueError, "max_retries"),
     ({"budget": "1GiB", "scan_seconds": -1}, ValueError, "scan_seconds"),
+    ({"budget": "1GiB", "machine": "a100"}, ValueError, r"MemoryBudget\(machine=...\) must be a preset \(h100\)"),
+    ({"budget": "1GiB", "machine": {"gemm_flops": {}}}, ValueError, "machine=...\\) must be .*missing"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):

@@ -302,5 +302,8 @@ def test_fused_loss_of_a_bf16_model_is_transformers_loss_to_float32_rounding(fam
     hits = (ref.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]) & (batch["labels"][:, 1:] != -100)
     torch.testing.assert_close(out.token_accuracy, hits.sum() / (batch["labels"][:, 1:] != -100).sum())
     assert grads.keys() == ref_grads.keys()
-    for n, g in grads.items():  # at most one bf16 rounding of the same products (mostly bitwise equal)
-        torch.testing.assert_close(g.float(), ref_grads[n].float(), rtol=8e-3, atol=1e-5, msg=n)
+    # at most one bf16 rounding of the same products, normwise: where the CPU has no bf16 kernels (AVX2), one logit
+    # in a softcapped head can round the other way, and that one-ulp change spreads through the bf16 backward
+    for n, g in grads.items():
+        error = float((g.float() - ref_grads[n].float()).norm() / ref_grads[n].float().norm())
+        assert error <= 2**-7, (n, error)

@@ -67,3 +67,49 @@ def test_step_seconds_prices_flops_traffic_and_the_link():
     assert step_seconds(m, 0, 0, link_bytes=2e10) == 2.0
     assert m.gemm("float8") == 1e12  # not measured: the slowest rate
     assert H100.gemm("bfloat16") / H100.memory_bytes_per_s == pytest.approx(295, rel=0.01)
+
+
+BALANCE = {"gemm_flops": {"float32": 2e12}, "memory_bytes_per_s": 1e11, "link_bytes_per_s": 1e10}
+
+
+def test_a_balance_is_read_from_a_preset_a_mapping_json_or_a_file(tmp_path):
+    expected = MachineBalance("given", {"float32": 2e12}, 1e11, 1e10)
+    path = tmp_path / "balance.json"
+    path.write_text(json.dumps(BALANCE))
+    assert machine.machine_balance("h100") is H100 and machine.machine_balance(" H100 ") is H100
+    assert machine.machine_balance(expected) is expected
+    assert machine.machine_balance(BALANCE) == expected
+    assert machine.machine_balance(json.dumps(BALANCE)) == expected
+    assert machine.machine_balance(str(path)) == expected
+    named = machine.machine_balance({**BALANCE, "device": "my GPU", "host_memory_bytes_per_s": 5e10})
+    assert named.device == "my GPU" and named.host_bandwidth == 5e10
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("a100", r"MemoryBudget\(machine=...\) must be a preset \(h100\).*got 'a100' \("),
+    ("{gemm", r"got '\{gemm', not JSON"),
+    (3, r"must be a preset .*got 3"),
+    ({"gemm_flops": {"float32": 1e12}, "memory_bytes_per_s": 1e11}, r"missing link_bytes_per_s"),
+    ({**BALANCE, "flops": 1}, r"unknown flops"),
+    ({**BALANCE, "memory_bytes_per_s": 0}, r"the bandwidths must be > 0"),
+    ({**BALANCE, "gemm_flops": {}}, r"gemm_flops must map dtype names to rates > 0"),
+    ({**BALANCE, "gemm_flops": {"float32": True}}, r"gemm_flops must map dtype names to rates > 0"),
+])
+def test_a_bad_balance_is_refused_naming_the_argument(spec, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        machine.machine_balance(spec, "machine", "MemoryBudget")
+
+
+def test_the_planning_balance_is_the_given_one_then_the_pinned_one_then_the_probe(cache_dir, monkeypatch):
+    monkeypatch.delenv("MEMKIT_MACHINE", raising=False)
+    probed = []
+    monkeypatch.setattr(machine, "_measure", lambda device, key: probed.append(key) or MachineBalance(key, {"f": 1.0}))
+    assert machine.planning_balance("cpu").device == probed[0]  # nothing pinned: the probe
+    monkeypatch.setenv("MEMKIT_MACHINE", json.dumps(BALANCE))
+    assert machine.planning_balance("cpu") == machine.machine_balance(BALANCE)
+    assert machine.planning_balance("cuda") == machine.machine_balance(BALANCE)  # also for a device not here
+    assert machine.planning_balance("cpu", machine="h100") is H100
+    monkeypatch.setenv("MEMKIT_MACHINE", "no-such-machine")
+    with pytest.raises(ValueError, match=r"^MEMKIT_MACHINE must be a preset"):
+        machine.planning_balance("cpu")
+    assert len(probed) == 1
