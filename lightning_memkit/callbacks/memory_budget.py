@@ -137,6 +137,7 @@ class MemoryBudget(Callback):
         budget_bytes: the budget in bytes (after ``setup``).
         plan: the chosen :class:`~lightning_memkit.estimate.plans.PlanResult` (``None`` before ``setup``).
         planned_on: the batch the plan was made for, in words.
+        ranked_on: the device balance the plans were ranked with (its name; empty under ``memkit_pipeline``).
         changes: the changes applied, one line each.
         replans: every :class:`Replan` during the run.
         measured_peak_bytes: the highest measured step peak (``None`` before a step was measured).
@@ -165,6 +166,7 @@ class MemoryBudget(Callback):
         self.budget_bytes: int | None = None
         self.plan: Any = None
         self.planned_on = ""
+        self.ranked_on = ""  # the balance the last search ranked its plans with (its name)
         self.changes: list[str] = []
         self.replans: list[Replan] = []
         self.measured_peak_bytes: int | None = None
@@ -327,8 +329,10 @@ class MemoryBudget(Callback):
 
         say = _say if trainer.is_global_zero else (lambda _line: None)
         with unmeasured():
-            return search_plans(run, max(budget, 1), margin=self.margin, max_plans=1, machine=self.machine,
-                                max_estimates=self.max_estimates, progress=lambda line: say(f"{_OWNER}: {line}"))
+            result = search_plans(run, max(budget, 1), margin=self.margin, max_plans=1, machine=self.machine,
+                                  max_estimates=self.max_estimates, progress=lambda line: say(f"{_OWNER}: {line}"))
+        self.ranked_on = result.machine
+        return result
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str]) -> Any:
         from lightning_memkit.estimate.module import ModuleRun
@@ -512,6 +516,8 @@ class MemoryBudget(Callback):
         line = (f"{_OWNER}: budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B); planned on "
                 f"{self.planned_on}; plan: {'; '.join(self.changes) or 'the run as given'}; predicted peak "
                 f"{format_bytes(self.plan.peak_bytes)} ({self.plan.peak_bytes:,} B), {measured}")
+        if self.ranked_on:
+            line += f"; plans ranked by step time on {self.ranked_on}"
         if self._pipeline:
             line += f"; memkit_pipeline: {self.plan.describe()}"
         lines = [line] + [f"  re-planned at {r}" for r in self.replans]

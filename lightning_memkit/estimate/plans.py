@@ -94,6 +94,7 @@ class SearchResult:
     skipped: int
     capped: int = 0
     seconds: float = 0.0
+    machine: str = ""  # the device balance the plans were ranked with (its name)
 
     def to_json(self) -> str:
         import json
@@ -105,7 +106,7 @@ class SearchResult:
         return json.dumps({"budget_bytes": self.budget_bytes, "margin": self.margin, "base": row(self.base),
                            "plans": [row(r) for r in self.fitting], "estimated": self.estimated,
                            "skipped": self.skipped, "not_estimated_max_estimates": self.capped,
-                           "seconds": round(self.seconds, 1)}, indent=2)
+                           "seconds": round(self.seconds, 1), "machine": self.machine}, indent=2)
 
     def __str__(self) -> str:
         lines = [f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B), {self.margin:.0%} margin; "
@@ -113,7 +114,8 @@ class SearchResult:
                  f"({'fits' if self.base.fits else 'does not fit'})",
                  f"{self.estimated} plans estimated, {self.skipped} ruled out without an estimate"
                  + (f", {self.capped} left out by the estimate limit (raise --max-estimates)" if self.capped else "")
-                 + f"; searched in {self.seconds:.1f} s"]
+                 + f"; searched in {self.seconds:.1f} s"
+                 + (f"; ranked by step time on {self.machine}" if self.machine else "")]
         if not self.fitting:
             lines.append("no plan fits: a larger budget, a shorter sequence or more pipeline stages is needed")
         for i, r in enumerate(self.fitting, 1):
@@ -283,4 +285,4 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     fitting = sorted(search.fitting, key=lambda r: (r.plan["stages"], round(r.overhead, 6), r.plan.changes(base.plan),
                                                     -sum(r.plan.strength())))
     return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped,
-                        search.capped, time.perf_counter() - search.start)
+                        search.capped, time.perf_counter() - search.start, search.machine.device)

@@ -20,7 +20,7 @@ Example (a balance given, not measured)::
     >>> step_seconds(m, flops=2e12, write_bytes=5e10, link_bytes=1e10, dtype="float32")
     4.0
     >>> machine_balance('{"gemm_flops": {"float32": 1e12}, "memory_bytes_per_s": 1e11, "link_bytes_per_s": 1e10}')
-    MachineBalance(device='given', gemm_flops={'float32': 1000000000000.0}, memory_bytes_per_s=100000000000.0, \
+    MachineBalance(device='machine', gemm_flops={'float32': 1000000000000.0}, memory_bytes_per_s=100000000000.0, \
 link_bytes_per_s=10000000000.0, host_memory_bytes_per_s=0.0)
     >>> machine_balance("h100") is H100
     True
@@ -79,8 +79,9 @@ _ENV = "MEMKIT_MACHINE"
 
 def machine_balance(spec: Any, name: str = "machine", owner: str | None = None) -> MachineBalance:
     """``spec`` as a :class:`MachineBalance`: one already, a preset name (:data:`PRESETS`), a mapping of its fields
-    (``device`` optional) or that mapping as a JSON object, inline or in a file named by its path. Anything else is a
-    ``ValueError``/``TypeError`` naming ``name`` (of ``owner``) and what is allowed."""
+    (``device``, its name, optional: where it was given), or that mapping as a JSON object, inline or in a file named
+    by its path. Anything else is a ``ValueError``/``TypeError`` naming ``name`` (of ``owner``) and what is
+    allowed."""
     where = f"{owner}({name}=...)" if owner else name
     allowed = (f"a preset ({', '.join(PRESETS)}), a JSON object of {', '.join(_FIELDS)} (device optional), or the "
                "path of a file holding one")
@@ -117,7 +118,7 @@ def _from_fields(fields: dict, where: str, allowed: str) -> MachineBalance:
             or not all(_positive(v) for v in rates[:2]) or not all(_positive(v) or v == 0 for v in rates[2:])):
         raise ValueError(f"{where}: gemm_flops must map dtype names to rates > 0 and the bandwidths must be > 0 "
                          f"(host_memory_bytes_per_s >= 0); got {fields!r}")
-    return MachineBalance(str(fields.get("device", "given")), {str(k): float(v) for k, v in gemm.items()},
+    return MachineBalance(str(fields.get("device", where)), {str(k): float(v) for k, v in gemm.items()},
                           *(float(v) for v in rates))
 
 

@@ -62,6 +62,17 @@ def test_the_fit_stays_within_the_budget_with_the_same_losses(kind: str, fractio
     assert got.steps == pytest.approx(losses, abs=1e-4)  # recompute, fused loss, equal micro-batches: same math
 
 
+def test_the_plans_are_ranked_on_the_balance_given(monkeypatch) -> None:
+    """``machine=`` wins over ``MEMKIT_MACHINE`` (and the probe); the report names the balance."""
+    monkeypatch.setenv("MEMKIT_MACHINE", "h100")
+    given = {"device": "a given device", "gemm_flops": {"float32": 1e9}, "memory_bytes_per_s": 1e10,
+             "link_bytes_per_s": 1e9}
+    budget = MemoryBudget("1GiB", allow=["micro_batch"], machine=given)
+    _fit("tiny_lm", budget)
+    assert budget.machine.device == budget.ranked_on == "a given device" and budget.changes == []
+    assert "; plans ranked by step time on a given device" in budget.memory_effect()
+
+
 def test_nothing_fits_raises_before_any_step() -> None:
     seen = []
 

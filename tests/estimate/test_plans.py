@@ -97,8 +97,10 @@ def llama_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-def test_search_returns_fitting_plans_cheapest_first(llama_json: Path) -> None:
-    run = HFRun(llama_json, seq_len=64, batch_size=2)
+def test_search_returns_fitting_plans_cheapest_first(llama_json: Path, pinned_machine) -> None:
+    """The plan ranked first is estimated again from the options it names: the levers that
+    ``estimate_from_hf_config`` takes as arguments (the balance pinned: which plan comes first is the balance's)."""
+    run = HFRun(llama_json, seq_len=64, batch_size=2, allow=("precision", "recompute", "fused_loss", "micro_batch"))
     base = run.estimate(run.base)
     budget = int(base.peak_bytes * 0.6)
     lines: list[str] = []
@@ -116,7 +118,7 @@ def test_search_returns_fitting_plans_cheapest_first(llama_json: Path) -> None:
                                     fused_loss=best.plan["fused_loss"], accumulate=accumulate)
     assert best.peak_bytes == again.peak_bytes  # the plan's peak is the estimate of its options
     steps = run.batch_size // best.plan["micro_batch"]
-    machine = run.machine()  # an H100's balance: no CUDA device here
+    machine = run.machine()  # the balance the search ranked with
     cost, plain = step_cost(again, machine, run.compute_dtype(best.plan)), step_cost(base, machine)
     assert cost.once > 0 and best.overhead == pytest.approx((steps * cost.micro + cost.once) / plain.seconds - 1)
     assert '"plans"' in result.to_json() and "plan 1:" in str(result)
@@ -145,6 +147,20 @@ def test_the_estimate_limit_is_reported(llama_json: Path, capsys: pytest.Capture
           "--budget", str(int(plain.peak_bytes * 0.7)), "--max-estimates", "3"])
     out = capsys.readouterr().out
     assert "3 plans estimated" in out and "left out by the estimate limit (raise --max-estimates)" in out
+
+
+def test_the_plans_are_ranked_on_the_balance_given_else_the_pinned_one(llama_json: Path, monkeypatch,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """``--machine`` wins over ``MEMKIT_MACHINE``, which wins over the probe (an H100's for ``--device cuda`` here):
+    the output names the balance the plans were ranked with."""
+    rates = {"gemm_flops": {"float32": 1e9}, "memory_bytes_per_s": 1e13, "link_bytes_per_s": 1e13}
+    monkeypatch.setenv("MEMKIT_MACHINE", json.dumps({"device": "a pinned device", **rates}))
+    args = ["estimate", "--hf-config", str(llama_json), "--seq-len", "64", "--batch-size", "2", "--budget", "1GiB",
+            "--max-estimates", "2"]
+    main([*args, "--json"])
+    assert json.loads(capsys.readouterr().out)["machine"] == "a pinned device"
+    main([*args, "--machine", "h100"])
+    assert f"ranked by step time on {H100.device}\n" in capsys.readouterr().out
 
 
 def test_search_arguments_are_checked(llama_json: Path) -> None:

@@ -73,7 +73,7 @@ BALANCE = {"gemm_flops": {"float32": 2e12}, "memory_bytes_per_s": 1e11, "link_by
 
 
 def test_a_balance_is_read_from_a_preset_a_mapping_json_or_a_file(tmp_path):
-    expected = MachineBalance("given", {"float32": 2e12}, 1e11, 1e10)
+    expected = MachineBalance("machine", {"float32": 2e12}, 1e11, 1e10)
     path = tmp_path / "balance.json"
     path.write_text(json.dumps(BALANCE))
     assert machine.machine_balance("h100") is H100 and machine.machine_balance(" H100 ") is H100
@@ -106,8 +106,9 @@ def test_the_planning_balance_is_the_given_one_then_the_pinned_one_then_the_prob
     monkeypatch.setattr(machine, "_measure", lambda device, key: probed.append(key) or MachineBalance(key, {"f": 1.0}))
     assert machine.planning_balance("cpu").device == probed[0]  # nothing pinned: the probe
     monkeypatch.setenv("MEMKIT_MACHINE", json.dumps(BALANCE))
-    assert machine.planning_balance("cpu") == machine.machine_balance(BALANCE)
-    assert machine.planning_balance("cuda") == machine.machine_balance(BALANCE)  # also for a device not here
+    pinned = machine.machine_balance(BALANCE, "MEMKIT_MACHINE")
+    assert pinned.device == "MEMKIT_MACHINE" and machine.planning_balance("cpu") == pinned
+    assert machine.planning_balance("cuda") == pinned  # also for a device not here
     assert machine.planning_balance("cpu", machine="h100") is H100
     monkeypatch.setenv("MEMKIT_MACHINE", "no-such-machine")
     with pytest.raises(ValueError, match=r"^MEMKIT_MACHINE must be a preset"):
