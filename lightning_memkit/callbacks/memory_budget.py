@@ -137,7 +137,8 @@ class MemoryBudget(Callback):
         budget_bytes: the budget in bytes (after ``setup``).
         plan: the chosen :class:`~lightning_memkit.estimate.plans.PlanResult` (``None`` before ``setup``).
         planned_on: the batch the plan was made for, in words.
-        ranked_on: the device balance the plans were ranked with (its name; empty under ``memkit_pipeline``).
+        ranked_on: the device balance the plans were ranked with (its name; empty where nothing was ranked: the run
+            as given fits, or ``memkit_pipeline``).
         changes: the changes applied, one line each.
         replans: every :class:`Replan` during the run.
         measured_peak_bytes: the highest measured step peak (``None`` before a step was measured).
@@ -166,7 +167,7 @@ class MemoryBudget(Callback):
         self.budget_bytes: int | None = None
         self.plan: Any = None
         self.planned_on = ""
-        self.ranked_on = ""  # the balance the last search ranked its plans with (its name)
+        self.ranked_on = ""  # the balance the last search ranked its plans with (its name; "": none ranked)
         self.changes: list[str] = []
         self.replans: list[Replan] = []
         self.measured_peak_bytes: int | None = None
@@ -330,6 +331,7 @@ class MemoryBudget(Callback):
         say = _say if trainer.is_global_zero else (lambda _line: None)
         with unmeasured():
             result = search_plans(run, max(budget, 1), margin=self.margin, max_plans=1, machine=self.machine,
+                                  keep_base=True,
                                   max_estimates=self.max_estimates, progress=lambda line: say(f"{_OWNER}: {line}"))
         self.ranked_on = result.machine
         return result

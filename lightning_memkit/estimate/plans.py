@@ -94,7 +94,7 @@ class SearchResult:
     skipped: int
     capped: int = 0
     seconds: float = 0.0
-    machine: str = ""  # the device balance the plans were ranked with (its name)
+    machine: str = ""  # the device balance the plans were ranked with (its name; "": nothing was ranked)
 
     def to_json(self) -> str:
         import json
@@ -221,7 +221,8 @@ def _duration(seconds: float) -> str:
 
 def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: int = 3,
                  max_estimates: int = 48, progress: Callable[[str], None] | None = None,
-                 machine: MachineBalance | None = None, host_budget: int | None = None) -> SearchResult:
+                 machine: MachineBalance | None = None, host_budget: int | None = None,
+                 keep_base: bool = False) -> SearchResult:
     """Estimate the candidate plans of ``run`` and return those that fit ``budget_bytes``, cheapest first.
 
     The run as given and the strongest plan come first (if that one does not fit, no single-device plan does);
@@ -243,6 +244,8 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
         machine: the device balance the step time model prices steps with (``None``: the run's,
             :meth:`~lightning_memkit.estimate.runs.LeverRun.machine`).
         host_budget: host memory a plan may keep offloaded bytes in (``None``: what this machine has free now).
+        keep_base: a run as given that fits is the answer: nothing else is estimated (``MemoryBudget`` changes
+            nothing in a run that fits; without it, plans cheaper than the run as given are searched too).
     """
     from lightning_memkit.common.validation import check_int
 
@@ -264,6 +267,9 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     tops = _strongest([run.base, *ordered])
     search.queue = [*tops, *(p for p in ordered if p not in tops)]
     base, base_cost = search.try_plan(run.base)
+    if keep_base and base.fits:
+        return SearchResult(budget_bytes, margin, base, [base], search.estimated, len(search.queue), 0,
+                            time.perf_counter() - search.start)  # nothing ranked
     tried = [(top, (base, base_cost) if top == run.base else search.try_plan(top)) for top in tops]
     # None: ruled out by a fitting base (only adds work) or the limit
     open_tops = [(top, found) for top, found in tried if found is None or found[0].fits]

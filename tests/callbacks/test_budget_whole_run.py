@@ -4,6 +4,7 @@ the retry limit, and the runs it does not plan refused."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import lightning.pytorch as pl
@@ -77,10 +78,15 @@ def _fit_shuffled(*callbacks) -> list[float]:
                 *callbacks, max_steps=3)[0].steps
 
 
-def test_a_plentiful_budget_changes_nothing_bitwise_on_shuffled_data() -> None:
+def test_a_plentiful_budget_changes_nothing_bitwise_on_shuffled_data(caplog) -> None:
+    """A run that fits as given is estimated once: nothing else is searched, nothing ranked."""
+    caplog.set_level(logging.INFO)
     budget = MemoryBudget("1GiB")
     assert _fit_shuffled(budget) == _fit_shuffled()  # no RNG drawn, no fused loss added to a run that fits
     assert budget.changes == [] and "plan: the run as given" in budget.memory_effect()
+    estimates = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MemoryBudget: estimate ")]
+    assert len(estimates) == 1 and estimates[0].startswith("MemoryBudget: estimate 1/")
+    assert budget.ranked_on == "" and "ranked" not in budget.memory_effect()
 
 
 def _fit_tiny(*callbacks) -> tuple[StepLosses, pl.Trainer]:

@@ -67,9 +67,9 @@ def test_the_plans_are_ranked_on_the_balance_given(monkeypatch) -> None:
     monkeypatch.setenv("MEMKIT_MACHINE", "h100")
     given = {"device": "a given device", "gemm_flops": {"float32": 1e9}, "memory_bytes_per_s": 1e10,
              "link_bytes_per_s": 1e9}
-    budget = MemoryBudget("1GiB", allow=["micro_batch"], machine=given)
+    budget = MemoryBudget("5MiB", allow=["micro_batch"], machine=given)
     _fit("tiny_lm", budget)
-    assert budget.machine.device == budget.ranked_on == "a given device" and budget.changes == []
+    assert budget.machine.device == budget.ranked_on == "a given device" and budget.changes
     assert "; plans ranked by step time on a given device" in budget.memory_effect()
 
 

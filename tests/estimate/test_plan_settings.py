@@ -137,3 +137,14 @@ def test_the_search_finds_the_cheapest_fitting_plan_with_fewer_estimates(budget:
     assert result.estimated + result.skipped == len(list(run.axes()))
     if budget == 15:  # tight: only full recomputation of small micro-batches fits; the probes rule out most plans
         assert result.estimated <= len(list(run.axes())) // 2
+
+
+def test_keep_base_stops_at_a_run_that_fits_as_given() -> None:
+    """``MemoryBudget``'s search: a run that fits as given is the answer after one estimate, nothing ranked;
+    ``memkit estimate --budget`` (without it) searches on for plans cheaper than the run as given."""
+    kept = search_plans(_Lattice(), 200, margin=0.0, machine=BALANCE, keep_base=True)
+    assert kept.base.fits and [r.plan for r in kept.fitting] == [kept.base.plan] and kept.estimated == 1
+    assert kept.machine == "" and kept.skipped == len(list(_Lattice().axes())) - 1
+    searched = search_plans(_Lattice(), 200, margin=0.0, machine=BALANCE)
+    assert searched.estimated > 1 and searched.machine == BALANCE.device
+    assert search_plans(_Lattice(), 60, margin=0.0, machine=BALANCE, keep_base=True).estimated > 1  # does not fit
