@@ -259,14 +259,37 @@ class MemoryBudget(Callback):
               late: bool) -> None:
         self._batch = batch
         run = self._run(trainer, pl_module, batch, allow)
-        result = self._search(trainer, run, self.budget_bytes - self._context_bytes)
-        if not result.fitting:
-            raise self._nothing_fits(run, result.budget_bytes)
-        self.plan = result.base if result.base.fits else result.fitting[0]  # a run that fits as given: unchanged
+        budget = self.budget_bytes - self._context_bytes
+        src = _planning_rank(trainer, batch)
+        result = self._search(trainer, run, budget, loud=True) if trainer.global_rank == src else None
+        chosen = self._agreed(trainer, run, result, src)
+        if chosen is None:
+            raise self._nothing_fits(run, max(budget, 1))
+        self.plan = chosen
         self._apply(trainer, pl_module, run, late)
-        if trainer.is_global_zero:
+        if trainer.global_rank == src:
             _say(f"{_OWNER}: predicted peak {format_bytes(self.plan.peak_bytes)} within the budget "
-                 f"{format_bytes(self.budget_bytes)} ({self.margin:.0%} margin)")
+                 f"{format_bytes(self.budget_bytes)} ({self.margin:.0%} margin)"
+                 + (f", planned by rank {src} for all {trainer.world_size} ranks" if trainer.world_size > 1 else ""))
+
+    def _agreed(self, trainer: Trainer, run: Any, result: Any, src: int) -> Any:
+        """The plan of rank ``src``'s ``result`` (a run that fits as given: unchanged; ``None``: nothing fits), the
+        same on every rank: sent by ``src`` in one broadcast, estimated by each other rank on its own batch."""
+        from lightning_memkit.estimate.plans import PlanResult
+
+        mine = None
+        if result is not None:
+            mine = result.base if result.base.fits else (result.fitting[0] if result.fitting else None)
+        if trainer.world_size == 1:
+            return mine
+        sent = None if result is None else (None if mine is None else mine.plan.to_dict(), self.ranked_on)
+        chosen, self.ranked_on = trainer.strategy.broadcast(sent, src=src)
+        if chosen is None or mine is not None:
+            return mine if chosen is not None else None
+        plan = Plan.from_dict(chosen)
+        with unmeasured():
+            est = run.estimate(plan)
+        return PlanResult(plan, est.peak_bytes, 0.0, True, run, getattr(est, "host_bytes", 0))
 
     # -- resuming ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -325,15 +348,15 @@ class MemoryBudget(Callback):
         say(f"{_OWNER}: predicted peak of the busiest rank {format_bytes(plan.busiest_bytes)} within the budget "
             f"{format_bytes(self.budget_bytes)} per rank ({self.margin:.0%} margin)")
 
-    def _search(self, trainer: Trainer, run: Any, budget: int) -> Any:
+    def _search(self, trainer: Trainer, run: Any, budget: int, loud: bool | None = None) -> Any:
         from lightning_memkit.estimate.plans import search_plans
 
-        say = _say if trainer.is_global_zero else (lambda _line: None)
+        say = _say if (trainer.is_global_zero if loud is None else loud) else (lambda _line: None)
         with unmeasured():
             result = search_plans(run, max(budget, 1), margin=self.margin, max_plans=1, machine=self.machine,
                                   keep_base=True,
                                   max_estimates=self.max_estimates, progress=lambda line: say(f"{_OWNER}: {line}"))
-        self.ranked_on = result.machine
+        self.ranked_on = result.machine or self.ranked_on  # a search that ranked nothing keeps the last one's
         return result
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str]) -> Any:
@@ -540,6 +563,15 @@ class MemoryBudget(Callback):
                                  "the budget in bytes or as a size such as '24GiB'")
             return int(total * self.budget)
         return self.budget
+
+
+def _planning_rank(trainer: Trainer, batch: Any) -> int:
+    """The rank whose planning batch has the most elements (the lowest of equals): it plans for every rank. One
+    ``all_gather`` under several processes; 0 alone."""
+    if trainer.world_size == 1:
+        return 0
+    mine = torch.tensor([batch_elements(batch)], dtype=torch.int64, device=trainer.strategy.root_device)
+    return int(torch.argmax(trainer.strategy.all_gather(mine).flatten().cpu()))
 
 
 def check_budget(budget: Any) -> int | float:
