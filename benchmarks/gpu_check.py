@@ -90,7 +90,7 @@ STEPS: tuple[Step, ...] = (
     _pytest("tests-models", ["tests/hf", "tests/plugins", "tests/estimate", "tests/finetune"], 50, False),
     _pytest("tests-pipeline", ["tests/pipeline", "tests/strategies", "tests/reliability", "tests/cli",
                                "tests/test_architecture.py", "tests/test_gpu_check.py", "tests/test_import.py",
-                               "tests/test_zygote.py"], 45,
+                               "tests/test_zygote.py", "tests/test_machine_independence.py"], 45,
             False,
             ("jsonargparse",)),
     _bench("cross_entropy", 75, True),

@@ -5,8 +5,8 @@ read by the ``datasets`` library (memory-mapped, cached), tokenized with your mo
 ``max_length`` tokens: every batch is ``batch_size x max_length``. ``packing=False`` keeps one document per row,
 truncated to ``max_length`` and padded per batch (padding masked out of the loss). Either way ``max_length`` is
 the declared longest row, so :meth:`TextDataModule.longest_batch` gives ``MemoryBudget`` the batch to plan on.
-The training order is a seeded shuffle per epoch; the checkpoint holds the position, so a run resumed mid-epoch
-sees the batches it would have seen.
+The training order is a seeded shuffle per epoch; the training loader is torchdata's ``StatefulDataLoader``, whose
+position Lightning saves with every checkpoint, so a run resumed mid-epoch sees the batches it would have seen.
 
 Example::
 
@@ -43,21 +43,19 @@ _OWNER = "TextDataModule"
 
 
 class _EpochShuffle(Sampler[int]):
-    """A seeded permutation per epoch (``set_epoch``, as Lightning calls it), optionally started part-way."""
+    """A seeded permutation per epoch (``set_epoch``, as Lightning calls it)."""
 
     def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed, self.epoch, self.skip = n, seed, 0, 0
+        self.n, self.seed, self.epoch = n, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.n - self.skip
+        return self.n
 
     def __iter__(self):
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        skip, self.skip = self.skip, 0  # once: the next epochs start at their beginning
-        yield from order[skip:]
+        yield from torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -96,7 +94,6 @@ class TextDataModule(pl.LightningDataModule):
         self.train_set: Any = None
         self.val_set: Any = None
         self._tokenizer: Any = None
-        self._resume: tuple[int, int] | None = None
 
     # -- data ------------------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
@@ -120,12 +117,13 @@ class TextDataModule(pl.LightningDataModule):
             self.val_set.set_format("torch")
 
     def train_dataloader(self) -> DataLoader:
-        sampler = _EpochShuffle(len(self.train_set), self.hparams.seed)
-        if self._resume is not None:
-            sampler.epoch, batches = self._resume
-            sampler.skip, self._resume = batches * self.batch_size, None
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                          collate_fn=self._collate, num_workers=self.hparams.num_workers)
+        """A ``StatefulDataLoader`` (torchdata): Lightning saves its position with every checkpoint and restores it,
+        so a run resumed mid-epoch sees the rest of that epoch's batches, in order."""
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
+                                  sampler=_EpochShuffle(len(self.train_set), self.hparams.seed),
+                                  collate_fn=self._collate, num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
@@ -151,20 +149,6 @@ class TextDataModule(pl.LightningDataModule):
             mask[i, :n] = 1
         labels = ids.masked_fill(mask == 0, -100)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-    # -- resuming mid-epoch ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
-        """The epoch and the batches of it processed (saved with a checkpoint)."""
-        trainer = self.trainer
-        if trainer is None:
-            return {}
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": int(trainer.current_epoch), "batches": int(progress.processed)}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        if "epoch" in state_dict:
-            self._resume = (int(state_dict["epoch"]), int(state_dict["batches"]))
-
 
 def _load(path: str) -> Any:
     import datasets

@@ -69,34 +69,40 @@ def test_bad_input_names_the_argument(files, tmp_path):
 
 class _Losses(Callback):
     def __init__(self):
-        self.losses = []
+        self.losses, self.batches = [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.batches.append((trainer.current_epoch, batch["input_ids"].tolist()))
 
 
 def _fit(files, base, max_steps, dirpath, ckpt_path=None):
     torch.manual_seed(0)
     model = PretrainedCausalLM(str(base), dtype="float32", lr=1e-2)
-    data = TextDataModule(str(files / "docs.jsonl"), tokenizer=str(files / "tokenizer"), max_length=32,
+    data = TextDataModule(str(files / "small.jsonl"), tokenizer=str(files / "tokenizer"), max_length=32,
                           batch_size=4, val_fraction=0.0, seed=3)
     losses = _Losses()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
-                enable_model_summary=False, limit_train_batches=5, num_sanity_val_steps=0,
-                callbacks=[losses, ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=1)]).fit(
-            model, data, ckpt_path=ckpt_path)
-    return losses.losses
+        trainer = Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0,
+                          callbacks=[losses, ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=2)])
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+    return losses, trainer.num_training_batches
 
 
 def test_a_run_resumed_mid_epoch_sees_the_batches_it_would_have_seen(files, tmp_path):
+    """Killed after step 5 of a 6-batch epoch (its last checkpoint: step 4), resumed: the rest of epoch 0 in its
+    order, then epoch 1, with the losses of the run that never stopped (the training loader is stateful)."""
     from transformers import AutoTokenizer
 
+    (files / "small.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:11]))
     base = tmp_path / "base"
     vocab = len(AutoTokenizer.from_pretrained(str(files / "tokenizer")))
     tiny_hf_causal_lm("llama", seed=0, vocab_size=vocab).save_pretrained(base)
-    straight = _fit(files, base, 8, tmp_path / "straight")  # 5 batches per epoch: step 3 is mid-epoch
-    first = _fit(files, base, 3, tmp_path / "run")
-    rest = _fit(files, base, 8, tmp_path / "run", ckpt_path="last")
-    assert first + rest == straight
+    straight, epoch = _fit(files, base, 9, tmp_path / "straight")
+    assert epoch == 6  # 11 documents: 6 batches of 4 x 32 tokens per epoch
+    first, _ = _fit(files, base, 5, tmp_path / "run")  # its last checkpoint: after step 4
+    rest, _ = _fit(files, base, 9, tmp_path / "run", ckpt_path="last")
+    assert [e for e, _ in straight.batches] == [0] * 6 + [1] * 3
+    assert rest.batches == straight.batches[4:] and rest.losses == straight.losses[4:]
