@@ -275,6 +275,11 @@ class MemkitCLI(LightningCLI):
         for cb in self.trainer.callbacks:
             if isinstance(cb, PeakMemoryMonitor):
                 cb.verbose = False
+        arguments = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        if arguments.get("ckpt_path") == "last":  # the newest of the run's versions, or one line: never step 0
+            from lightning_memkit.config.resume import last_checkpoint
+
+            arguments["ckpt_path"] = str(last_checkpoint(self.trainer))
 
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:

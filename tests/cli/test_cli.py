@@ -316,3 +316,25 @@ def test_a_missing_model_module_names_the_working_directory(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert "No module named 'nolm'" in err and f"working directory {tmp_path}" in err
+
+
+def test_ckpt_path_last_resumes_from_the_logged_runs_newest_version_or_stops_in_one_line(tmp_path, capsys):
+    """With a logger, each run writes into a new version folder: ``--ckpt_path last`` finds the last checkpoint of
+    the earlier version (Lightning alone looks in the new one, finds nothing and trains from step 0); where there
+    is none, one line names where it looked, before any step."""
+    checkpoints = ["--trainer.enable_checkpointing", "true",
+                   "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                   "--trainer.callbacks.save_last=true", "--trainer.callbacks.every_n_train_steps=1"]
+    args = [*demo_args(tmp_path / "run"), *checkpoints]
+    main(args=[*args, "--trainer.max_steps", "2"])
+    capsys.readouterr()
+    main(args=[*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    assert LOSS_LINE.search(capsys.readouterr().out).group(3) == "1"  # step 3 only: resumed at step 2
+    assert sorted(p.parent.parent.name for p in (tmp_path / "run").rglob("last.ckpt")) == ["version_0", "version_1"]
+    with pytest.raises(SystemExit) as stopped:
+        main(args=[*demo_args(tmp_path / "empty"), *checkpoints, "--ckpt_path", "last"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memkit")]
+    assert stopped.value.code == 2 and err == [
+        f"memkit fit: error: --ckpt_path last: no last*.ckpt in {tmp_path / 'empty' / 'lightning_logs'}"
+        f"{'/'}version_*/checkpoints; nothing to resume (leave --ckpt_path out to start from step 0, or give a "
+        "checkpoint's path)"]
