@@ -251,7 +251,8 @@ class MemoryBudget(Callback):
         else:
             batch = next(iter(loader))
             self.planned_on = ("the first batch (the training set is not a sized, indexable data set loaded in batches "
-                               "of a fixed size, so its longest batch is not known); every step is watched")
+                               "of a fixed size whose samples, or collated samples, have a length, so its longest "
+                               "batch is not known); every step is watched")
         _say(f"{_OWNER}: planning on {self.planned_on}")
         return batch
 

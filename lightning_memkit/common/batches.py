@@ -201,7 +201,9 @@ def longest_batch(loader: Any, seconds: float = 30.0,
                   progress: Callable[[str], None] | None = None) -> tuple[Any, str] | None:
     """The batch of the ``batch_size`` longest samples of ``loader``'s data set, collated by its ``collate_fn`` (so
     padded to the longest, as a padding collator pads), and one line saying how it was found; None when the loader
-    has no sized, indexable data set with automatic batching (an iterable data set, a batch sampler).
+    has no sized, indexable data set with automatic batching (an iterable data set, a batch sampler), or when no
+    sample has a length. A sample is as long as its largest tensor or list of numbers; samples without either (text
+    that the ``collate_fn`` tokenizes) are measured collated, one at a time, as the model will receive them.
 
     The scan reads the samples in order for at most ``seconds`` (a batch's worth at least); a scan cut short gives
     the longest samples read (the line says how many of how many). ``progress`` gets a line every 5 s. The global
@@ -228,8 +230,12 @@ def longest_batch(loader: Any, seconds: float = 30.0,
     lengths: list[tuple[int, int]] = []
     start = last = time.perf_counter()
     with rng_untouched():
+        # samples of text (or anything without tensors or token lists) are measured as the model gets them:
+        # each collated alone by the loader's collate_fn (a tokenizing collator tokenizes it)
+        collated = sample_length(dataset[0]) == 0 and loader.collate_fn is not None
+        measure = (lambda sample: sample_length(loader.collate_fn([sample]))) if collated else sample_length
         for i in range(total):
-            lengths.append((sample_length(dataset[i]), i))
+            lengths.append((measure(dataset[i]), i))
             now = time.perf_counter()
             if now - start > seconds and len(lengths) >= size:
                 break
@@ -237,10 +243,13 @@ def longest_batch(loader: Any, seconds: float = 30.0,
                 last = now
                 progress(f"scanning sample lengths: {i + 1}/{total} ({now - start:.0f} s)")
         top = sorted(lengths, key=lambda li: (-li[0], li[1]))[:min(size, total)]
+        if top[0][0] == 0:  # nothing in them has a length, collated or not
+            return None
         batch = loader.collate_fn([dataset[i] for _, i in top])
     scanned = "all" if len(lengths) == total else f"the first {len(lengths)} (the {seconds:g} s limit) of"
-    line = (f"the {len(top)} longest of {scanned} {total} samples ({top[0][0]} and {top[-1][0]} elements)"
-            if len(top) > 1 else f"the longest of {scanned} {total} samples ({top[0][0]} elements)")
+    unit = "elements, each sample collated alone" if collated else "elements"
+    line = (f"the {len(top)} longest of {scanned} {total} samples ({top[0][0]} and {top[-1][0]} {unit})"
+            if len(top) > 1 else f"the longest of {scanned} {total} samples ({top[0][0]} {unit})")
     return batch, line
 
 

@@ -73,6 +73,23 @@ def test_the_longest_batch_is_the_longest_samples_padded() -> None:
     assert sample_length(dicts[1]) == 9 and sample_length((torch.zeros(2, 3), torch.zeros(5))) == 6
 
 
+def test_text_tokenized_in_collate_fn_is_measured_as_the_model_receives_it() -> None:
+    """Samples of text have no length of their own: each is collated alone (here: its UTF-8 bytes as tokens, with
+    a prefix the collator adds) and the longest collated ones make the batch; no "0 elements"."""
+    def tokenize(texts: list[str]) -> dict[str, torch.Tensor]:
+        return pad_hf([torch.tensor([1, 2, *t.encode()]) for t in texts])
+
+    texts = ["short", "a rather longer line of text", "mid-sized line", "é" * 20]  # 40 bytes, 22 characters
+    batch, line = longest_batch(DataLoader(texts, batch_size=2, collate_fn=tokenize))
+    assert tuple(batch["input_ids"].shape) == (2, 42)
+    assert line == "the 2 longest of all 4 samples (42 and 30 elements, each sample collated alone)"
+    records = [{"text": t} for t in texts]  # a dict of strings: the same
+    assert longest_batch(DataLoader(records, batch_size=2, collate_fn=lambda rs: tokenize([r["text"] for r in rs])))[
+        1] == line
+    # nothing has a length, collated or not: no scan (the budget plans on the first batch and says why)
+    assert longest_batch(DataLoader(texts, batch_size=2, collate_fn=lambda ts: ts)) is None
+
+
 def test_the_scan_stops_at_its_time_limit_and_says_so() -> None:
     loader = DataLoader([torch.ones(n, dtype=torch.long) for n in range(1, 50)], batch_size=2, collate_fn=pad_hf)
     batch, line = longest_batch(loader, seconds=0)
