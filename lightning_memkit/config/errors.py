@@ -115,6 +115,8 @@ def describe_config_error(err: BaseException, config: Any = None) -> str:
         if isinstance(chain[-1], ModuleNotFoundError):
             root += f" (modules are found on the Python path, which starts with the working directory {os.getcwd()})"
     key = ".".join(keys)
+    if key == "trainer.precision" and (got := re.search(r"Got value: (.+)", root)):
+        return f"trainer.precision: {got.group(1).strip()!r} is not a precision; accepted: {', '.join(precisions())}"
     if root == type(chain[-1]).__name__ and config is not None:  # the message was lost in a union's bookkeeping
         found = failing_entry(config)
         if found is not None:
@@ -124,6 +126,26 @@ def describe_config_error(err: BaseException, config: Any = None) -> str:
         found = _owner_key(config, owner.group(1))
         key = f"{found}.init_args.{owner.group(2)}" if found else ""
     return f"{key}: {root}" if key else root
+
+
+def precisions() -> list[str]:
+    """The ``Trainer(precision=...)`` values Lightning accepts, as written in a config.
+
+    Example::
+
+        >>> {"bf16-true", "16-mixed", "32"} <= set(precisions())
+        True
+    """
+    from typing import Literal, get_args, get_origin
+
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+
+    def literals(hint: Any) -> list[str]:
+        if get_origin(hint) is Literal:
+            return [str(v) for v in get_args(hint)]
+        return [v for arg in get_args(hint) for v in literals(arg)]
+
+    return list(dict.fromkeys(literals(_PRECISION_INPUT)))
 
 
 def trainer_entries(config: Any, section: str) -> list[tuple[int, dict[str, Any]]]:

@@ -128,6 +128,8 @@ def test_torch_num_threads_applies_to_the_run_only(tmp_path, monkeypatch, capsys
      "memkit fit: error: model: class_path 'lightning_memkit.demo.Nope' cannot be imported: "
      "module 'lightning_memkit.demo' has no attribute 'Nope'"),
     (["--trainer.max_steps=-5"], "memkit fit: error: trainer: `max_steps` must be a non-negative integer or -1"),
+    (["--trainer.precision=bf17-true"],
+     "memkit fit: error: trainer.precision: 'bf17-true' is not a precision; accepted: 64, 32, 16, "),
 ])
 def test_a_bad_config_value_is_one_line_naming_the_key(capsys, override, expected):
     lines = config_error(capsys, ["fit", "--config", str(CONFIG), "--trainer.logger", "false", *override])
