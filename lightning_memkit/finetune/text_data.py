@@ -89,6 +89,8 @@ class TextDataModule(pl.LightningDataModule):
                              "datasets' save_to_disk")
         if not source.exists():
             raise ValueError(f"{_OWNER}(path={path!r}): no such file or directory")
+        _check_text_file(source, text_field)
+        _check_tokenizer(tokenizer)
         self.save_hyperparameters()
         self.batch_size = batch_size
         self.train_set: Any = None
@@ -149,6 +151,50 @@ class TextDataModule(pl.LightningDataModule):
             mask[i, :n] = 1
         labels = ids.masked_fill(mask == 0, -100)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+def _check_text_file(source: Path, field: str) -> None:
+    """A ``.jsonl``/``.json``/``.txt`` file read once, line by line, before anything is built: a line that is not
+    UTF-8 (its number), a file without text, a JSONL record without ``field`` (its number) are one line each."""
+    if source.is_dir() or source.suffix not in (".jsonl", ".txt"):
+        return
+    import json
+
+    records = 0
+    with source.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{_OWNER}(path={str(source)!r}): line {number} is not UTF-8 text ({err.reason} at "
+                                 f"byte {err.start})") from None
+            if not line:
+                continue
+            records += 1
+            if source.suffix == ".jsonl":
+                try:
+                    record = json.loads(line)
+                except ValueError as err:
+                    raise ValueError(f"{_OWNER}(path={str(source)!r}): line {number} is not JSON ({err})") from None
+                if not isinstance(record, dict) or field not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise ValueError(f"{_OWNER}(text_field={field!r}): line {number} of {str(source)!r} has no "
+                                     f"{field!r} (it has {keys})")
+    if records == 0:
+        raise ValueError(f"{_OWNER}(path={str(source)!r}): the file holds no text")
+
+
+def _check_tokenizer(tokenizer: str) -> None:
+    """A local tokenizer folder that is not there (a path, not a hub name) is one line, not the hub's refusal."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(tokenizer).is_dir():
+        return
+    try:
+        validate_repo_id(tokenizer)
+    except HFValidationError:
+        raise ValueError(f"{_OWNER}(tokenizer={tokenizer!r}): no such folder (give the tokenizer's folder, usually "
+                         "the model's, or a hub name such as 'org/model')") from None
+
 
 def _load(path: str) -> Any:
     import datasets

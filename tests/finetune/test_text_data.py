@@ -58,13 +58,34 @@ def test_packed_rows_are_full_blocks_and_padded_rows_mask_their_padding(files):
 
 
 def test_bad_input_names_the_argument(files, tmp_path):
-    with pytest.raises(ValueError, match=r"text_field='body'\): the data has the columns \['text', 'id'\]"):
-        _module(files, "docs.jsonl", text_field="body")
+    with pytest.raises(ValueError, match=r"text_field='body'\): the data has the columns \['text'\]"):
+        _module(files, "docs.parquet", text_field="body")  # a JSONL's records are checked as it is built (below)
     (tmp_path / "x.csv").write_text("a\n")
     with pytest.raises(ValueError, match=r"path='.*x.csv'\): give a .jsonl, .json, .parquet, .txt file"):
         TextDataModule(str(tmp_path / "x.csv"), tokenizer=str(files / "tokenizer"))
     with pytest.raises(ValueError, match="max_length"):
         TextDataModule(str(files / "docs.jsonl"), tokenizer=str(files / "tokenizer"), max_length=0)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.jsonl", b"\n\n", r"path='.*empty.jsonl'\): the file holds no text$"),
+    ("latin.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"latin.jsonl'\): line 2 is not UTF-8 text \(invalid "),
+    ("broken.jsonl", b'{"text": "ok"}\n{"text": \n', r"broken.jsonl'\): line 2 is not JSON"),
+    ("body.jsonl", b'{"text": "ok"}\n{"body": "no"}\n', r"text_field='text'\): line 2 of '.*body.jsonl' has no 'text' "
+                                                          r"\(it has \['body'\]\)"),
+    ("empty.txt", b"", r"empty.txt'\): the file holds no text"),
+])
+def test_a_bad_text_file_is_one_line_when_the_module_is_built(files, tmp_path, name, content, message):
+    """Checked when the config is parsed, before any model is loaded: the file's line, not datasets' traceback."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        TextDataModule(str(tmp_path / name), tokenizer=str(files / "tokenizer"))
+
+
+def test_a_missing_tokenizer_folder_is_one_line(files, tmp_path):
+    with pytest.raises(ValueError, match=r"tokenizer='/no/such/models/tok'\): no such folder"):
+        TextDataModule(str(files / "docs.jsonl"), tokenizer="/no/such/models/tok")
+    TextDataModule(str(files / "docs.jsonl"), tokenizer="org/model")  # a hub name: looked up when the data is set up
 
 
 class _Losses(Callback):
