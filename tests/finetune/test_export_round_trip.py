@@ -158,12 +158,20 @@ assert not {"lightning_memkit", "peft", "bitsandbytes"} & set(sys.modules), "ser
 def test_the_merged_export_serves_with_transformers_alone(tmp_path, fitted, peft):
     """Not bitwise (``W + scaling * B @ A`` rounded once to bf16, where the trained model adds the rounded update
     to the base's output), measured 1.00 (peft's adapters) and 1.03 (the plugin's) bf16 steps off the trained
-    model, the same greedy generation."""
+    model on a CPU with bf16 kernels, 1.5 (the plugin's) on one without (AVX2: the matmuls round otherwise), the
+    same greedy generation up to a near tie: where the two part, the trained model's own two choices are within
+    those 2 bf16 steps of each other (on a CPU with bf16 kernels, the same generation)."""
     module, _, _ = fitted("bfloat16", peft)
     merged = export_merged(module, tmp_path / "merged")
     ours, theirs = _served_elsewhere(module, MERGED, merged, tmp_path, "merged.pt")
-    assert _steps(theirs["logits"], ours["logits"]) <= 1.25
-    assert torch.equal(theirs["generated"], ours["generated"])
+    assert _steps(theirs["logits"], ours["logits"]) <= 2
+    for mine, other in zip(ours["generated"], theirs["generated"], strict=True):
+        parted = (mine != other).nonzero()
+        if len(parted):
+            k = int(parted[0])
+            with torch.no_grad():
+                logits = module.model(input_ids=mine[None, :k]).logits[0, -1].float()
+            assert logits[mine[k]] - logits[other[k]] <= 2 * _bf16_step(logits), (k, mine, other)
 
 
 def test_the_merge_refuses_dora_and_matches_peft_merge_and_unload(tmp_path):
