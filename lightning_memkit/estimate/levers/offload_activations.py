@@ -44,7 +44,7 @@ class OffloadActivations(SwitchLever):
             return cost
         moved = getattr(est, "host_bytes", 0) - getattr(est, "host_steady_bytes", 0)  # not an offloaded optimizer's
         copies = 2 * moved / machine.link_bytes_per_s
-        overlapped = getattr(run, "target", "cpu") != "cpu"  # a CPU run copies within host memory, in line
+        overlapped = not machine.device.startswith("cpu")
         return cost.replace(micro=cost.micro + (max(copies - cost.micro, 0.0) if overlapped else copies))
 
     def to_step(self, choice: Any, spec: StepSpec) -> None:
