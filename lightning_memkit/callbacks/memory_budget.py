@@ -285,8 +285,10 @@ class MemoryBudget(Callback):
             return mine
         sent = None if result is None else (None if mine is None else mine.plan.to_dict(), self.ranked_on)
         chosen, self.ranked_on = trainer.strategy.broadcast(sent, src=src)
-        if chosen is None or mine is not None:
-            return mine if chosen is not None else None
+        if chosen is None:  # nothing fits on the planning rank: nothing fits anywhere
+            return None
+        if mine is not None:
+            return mine
         plan = Plan.from_dict(chosen)
         with unmeasured():
             est = run.estimate(plan)
