@@ -52,6 +52,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_memkit.common.validation import check_bool, check_int
 from lightning_memkit.measure.device import free_device_memory
+from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
 from lightning_memkit.ops._cross_entropy_common import (
     ClassWeights,
     CrossEntropyOptions,
@@ -340,10 +341,11 @@ def _lse_pass(ctx, x, weight, bias, t, lse, lse_grad, grads) -> None:
     ch = _Chunker(x, weight, bias, t, ctx.setup, ctx.weights)
     rows = ctx.setup.plan.rows
     dx, dw, db = grads
-    for a in range(0, x.shape[0], rows):
+    for a, count in alike_runs(x.shape[0], rows, is_fake(x)):
         b = min(a + rows, x.shape[0])
-        g = ch.lse_gradient(ch.logits(a, b), a, b, lse[a:b], lse_grad[a:b])
-        ch.accumulate(g, a, b, dx, dw, db, add=True)
+        with stands_for(count):
+            g = ch.lse_gradient(ch.logits(a, b), a, b, lse[a:b], lse_grad[a:b])
+            ch.accumulate(g, a, b, dx, dw, db, add=True)
 
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
@@ -367,16 +369,18 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         correct = torch.empty(n if setup.accuracy else 0, dtype=torch.bool, device=x.device)
         dx, dw, db = _buffers(x, weight, bias, setup.accum_dtype, need) if in_forward else (None, None, None)
-        for a in range(0, n, setup.plan.rows):
+        # fake tensors (an estimate): the chunks of full rows are alike, one stands for them all (fake_repeat)
+        for a, count in alike_runs(n, setup.plan.rows, is_fake(x)):
             b = min(a + setup.plan.rows, n)
-            z = ch.logits(a, b)
-            if setup.accuracy:  # the logits as the loss sees them, before the rows' math overwrites them
-                correct[a:b] = z.argmax(1) == t[a:b]
-            loss_c, lse_c = ch.loss_and_grad(z, a, b, grad_scale=base if in_forward else None)
-            loss_rows[a:b] = loss_c
-            lse[a:b] = lse_c
-            if in_forward:
-                ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
+            with stands_for(count):
+                z = ch.logits(a, b)
+                if setup.accuracy:  # the logits as the loss sees them, before the rows' math overwrites them
+                    correct[a:b] = z.argmax(1) == t[a:b]
+                loss_c, lse_c = ch.loss_and_grad(z, a, b, grad_scale=base if in_forward else None)
+                loss_rows[a:b] = loss_c
+                lse[a:b] = lse_c
+                if in_forward:
+                    ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
         del ch
         valid = t != o.ignore_index
         if setup.accuracy:
@@ -443,11 +447,12 @@ def _recomputed_grads(ctx, grad_out):
     grads = _buffers(x, weight, bias, setup.accum_dtype, ctx.need)
     dx, dw, db = grads
     ch = _Chunker(x, weight, bias, t, setup, ctx.weights)
-    for a in range(0, x.shape[0], setup.plan.rows):
+    for a, count in alike_runs(x.shape[0], setup.plan.rows, is_fake(x)):
         b = min(a + setup.plan.rows, x.shape[0])
-        z = ch.logits(a, b)
-        ch.loss_and_grad(z, a, b, grad_scale=scale, lse=lse[a:b])
-        ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
+        with stands_for(count):
+            z = ch.logits(a, b)
+            ch.loss_and_grad(z, a, b, grad_scale=scale, lse=lse[a:b])
+            ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
     return grads
 
 

@@ -46,7 +46,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
+
+from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
 
 __all__ = [
     "nosave_linear",
@@ -270,15 +273,17 @@ def _grad_input_4bit(meta: Packed4bit, tensors: tuple, grad: torch.Tensor) -> to
     flat_packed = packed.reshape(-1)
     grad2 = grad.reshape(-1, out_features)
     grad_x = torch.zeros(grad2.shape[0], in_features, dtype=grad.dtype, device=grad.device)
-    for r0 in range(0, out_features, rows):
+    # fake tensors (an estimate): the slices of full rows are alike, one stands for them all (fake_repeat)
+    for r0, count in alike_runs(out_features, rows, is_fake(grad)):
         r1 = min(out_features, r0 + rows)
         e0, e1 = r0 * in_features, r1 * in_features
         state = bnb_f.QuantState(absmax=absmax[e0 // meta.blocksize: -(-e1 // meta.blocksize)],
                                  shape=torch.Size((1, e1 - e0)), code=code, blocksize=meta.blocksize,
                                  quant_type=meta.quant_type, dtype=grad.dtype)  # flat: see the module notes
-        w = bnb_f.dequantize_4bit(flat_packed[e0 // 2: e1 // 2].view(-1, 1), state).reshape(r1 - r0, in_features)
-        grad_x.addmm_(grad2[:, r0:r1], w)
-        del w
+        with stands_for(count):
+            w = bnb_f.dequantize_4bit(flat_packed[e0 // 2: e1 // 2].view(-1, 1), state).reshape(r1 - r0, in_features)
+            grad_x.addmm_(grad2[:, r0:r1], w)
+            del w
     return grad_x.reshape(*grad.shape[:-1], in_features)
 
 
