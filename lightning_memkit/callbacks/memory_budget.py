@@ -181,6 +181,9 @@ class MemoryBudget(Callback):
         self._pipeline = False  # the Trainer runs memkit_pipeline: planned per rank, not re-planned
         self._batch: Any = None  # the batch planned on
         self._restored: dict | None = None  # the plan of the checkpoint resumed from, applied at on_train_start
+        #: the checkpoint this fit resumes from, when known before ``setup`` (``memkit fit --ckpt_path`` sets it): its
+        #: plan is estimated once and kept where it fits, instead of a search
+        self.resume_from: str | None = None
 
     @property
     def replanned(self) -> bool:
@@ -201,7 +204,7 @@ class MemoryBudget(Callback):
         self._split = self._own_split(trainer)
         with rng_untouched(trainer.strategy.root_device):
             batch = self._planning_batch(trainer, pl_module)
-        if batch is not None:
+        if batch is not None and not self._plan_of_checkpoint(trainer, pl_module, batch):
             self._plan(trainer, pl_module, batch, self.allow, late=False)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -304,6 +307,35 @@ class MemoryBudget(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict.get("plan")
         self._missed = max(self._missed, int(state_dict.get("missed_bytes", 0)))
+
+    def _plan_of_checkpoint(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> bool:
+        """A resume whose checkpoint is known at ``setup`` (:attr:`resume_from`, which ``memkit fit --ckpt_path``
+        sets, or ``trainer.ckpt_path``): the checkpoint's plan, estimated once, when it still fits (no search).
+        Under several processes the planning rank decides for all."""
+        from lightning_memkit.estimate.plans import PlanResult
+
+        saved = _saved_state(self.resume_from or trainer.ckpt_path, self.state_key)
+        if not saved.get("plan"):
+            return False
+        plan, self._missed = Plan.from_dict(saved["plan"]), int(saved.get("missed_bytes", 0))
+        src = _planning_rank(trainer, batch)
+        run = self._run(trainer, pl_module, batch, self.allow)
+        with unmeasured():
+            est = run.estimate(plan)
+        limit = self.budget_bytes - self._context_bytes - self._missed
+        fits = est.peak_bytes * (1 + self.margin) <= limit
+        if trainer.world_size > 1:
+            fits = trainer.strategy.broadcast(fits, src=src)
+        if not fits:
+            _say(f"{_OWNER}: the checkpoint's plan ({plan.describe(run.base)}) predicts "
+                 f"{format_bytes(est.peak_bytes)}, over the budget now: planning again")
+            return False
+        self._batch, self._restored = batch, None
+        self.plan = PlanResult(plan, est.peak_bytes, 0.0, True, run, getattr(est, "host_bytes", 0))
+        self._apply(trainer, pl_module, run, late=False)
+        _say(f"{_OWNER}: resumed with the checkpoint's plan, estimated once: predicted peak "
+             f"{format_bytes(est.peak_bytes)} within the budget {format_bytes(self.budget_bytes)}")
+        return True
 
     def _resume_plan(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resume with the plan of the checkpoint where a re-plan made it stronger than the one planned at setup,
@@ -566,6 +598,19 @@ class MemoryBudget(Callback):
                                  "the budget in bytes or as a size such as '24GiB'")
             return int(total * self.budget)
         return self.budget
+
+
+def _saved_state(path: Any, key: str) -> dict[str, Any]:
+    """This callback's state in the checkpoint at ``path`` (``{}`` without a path, a readable file or a state)."""
+    if not path:
+        return {}
+    try:  # mapped, not read: only the callbacks' states are touched
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except (OSError, RuntimeError, ValueError, EOFError):  # not a checkpoint file: Lightning reports it on restore
+        return {}
+    if not isinstance(checkpoint, dict):
+        return {}
+    return checkpoint.get("callbacks", {}).get(key) or {}
 
 
 def _planning_rank(trainer: Trainer, batch: Any) -> int:
