@@ -63,16 +63,26 @@ def fake_copy(module: nn.Module, keep: Sequence[Any] = ()) -> nn.Module:
     deep-copied, except the objects in ``keep`` (e.g. the Trainer: shared, never copied) and a LightningModule's
     trainer reference, which the copy does not get (``self.log`` in its ``training_step`` then does nothing).
 
+    A bitsandbytes packed weight (a model the QLoRA plugin converted) becomes a frozen fake parameter of the same
+    packed bytes with its quant state (:mod:`~lightning_memkit.estimate.packed_copy`).
+
     Raises:
-        TypeError: a parameter of a subclass (a quantized ``Params4bit``, a ``DTensor``): its storage cannot be
-            reproduced from its shape; estimate before converting the module.
+        TypeError: a parameter of another subclass (a ``DTensor``): its storage cannot be reproduced from its shape;
+            estimate before sharding the module.
     """
+    from lightning_memkit.estimate.packed_copy import packed_like
+
     memo: dict[int, Any] = {id(obj): obj for obj in keep}
     for name, p in module.named_parameters(remove_duplicate=False):
-        if type(p) is not nn.Parameter:
+        if id(p) in memo:
+            continue
+        if type(p) is not nn.Parameter and (packed := packed_like(p, _like, memo)) is not None:
+            memo[id(p)] = packed
+        elif type(p) is not nn.Parameter:
             raise TypeError(f"{_OWNER}: parameter {name!r} is a {type(p).__name__}, not a torch.nn.Parameter; "
-                            "estimate the module before it is converted, quantized or sharded")
-        memo.setdefault(id(p), nn.Parameter(_like(p), requires_grad=p.requires_grad))
+                            "estimate the module before it is sharded")
+        else:
+            memo[id(p)] = nn.Parameter(_like(p), requires_grad=p.requires_grad)
     for b in module.buffers():
         memo.setdefault(id(b), _like(b))
     trainer = getattr(module, "_trainer", None)
@@ -126,6 +136,10 @@ class ModuleRun(LeverRun):
         for name in ("training_step", "configure_optimizers"):
             if not callable(getattr(module, name, None)):
                 raise TypeError(f"{_OWNER}(module=...): {type(module).__name__} has no {name}()")
+        if plugin is not None:
+            from lightning_memkit.estimate.packed_copy import Converted, holds_packed
+
+            plugin = Converted(plugin) if holds_packed(module) else plugin  # quantized already: estimated as it is
         self.module, self.batch, self.allow, self.plugin, self.target = module, batch, tuple(allow), plugin, target
         self.policy, self.accumulate, self.keep = policy, accumulate, tuple(keep)
         self.batch_size = batch_rows(batch) or 0

@@ -623,7 +623,8 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         layers = [name for name, _ in blocks]
         host = max(tracker.host_peaks.get(name, 0) for name in STEP_PHASES)
         del run, model, optim, blocks
-    return StepTrace(phases, counts[0], counts[1], precision if plugin is None else type(plugin).__name__, features,
+    label = precision if plugin is None else type(getattr(plugin, "converted_by", plugin)).__name__
+    return StepTrace(phases, counts[0], counts[1], label, features,
                      fast.flops, tracker.allocated, target, foreach, events, layers, host,
                      tracker.allocated_by_phase.get("optimizer step", 0), steady)
 
