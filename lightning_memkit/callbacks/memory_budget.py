@@ -40,6 +40,7 @@ from lightning_memkit.common.batches import (
     rng_untouched,
 )
 from lightning_memkit.common.class_paths import import_object
+from lightning_memkit.common.preflight import run_preflights
 from lightning_memkit.common.validation import check_int, check_number
 from lightning_memkit.estimate.levers import LEVERS, Plan, TrainerEdit, find_callback, lever
 from lightning_memkit.measure.compiled import runs_compiled
@@ -151,6 +152,7 @@ class MemoryBudget(Callback):
         from lightning_memkit.measure.machine import machine_balance
 
         self.budget = check_budget(budget)
+        self._given = budget  # as written (the refusals name it)
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"{_OWNER}(margin=...) must be a number in [0, 1), got {margin!r}")
         if isinstance(allow, str) or not all(isinstance(a, str) for a in allow):
@@ -181,6 +183,8 @@ class MemoryBudget(Callback):
         self._pipeline = False  # the Trainer runs memkit_pipeline: planned per rank, not re-planned
         self._batch: Any = None  # the batch planned on
         self._restored: dict | None = None  # the plan of the checkpoint resumed from, applied at on_train_start
+        self._recovered: dict | None = None  # the plan an out-of-memory recovery made in this step (to agree on)
+        self._device = torch.device("cpu")
         #: the checkpoint this fit resumes from, when known before ``setup`` (``memkit fit --ckpt_path`` sets it): its
         #: plan is estimated once and kept where it fits, instead of a search
         self.resume_from: str | None = None
@@ -194,6 +198,8 @@ class MemoryBudget(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self.preflight(trainer, pl_module)
+        run_preflights(trainer, pl_module, skip=self)  # the callbacks' refusals (ExportAdapters) before planning
         self.changes, self.plan, self.measured_peak_bytes, self.replans = [], None, None, []
         self._missed, self._largest = 0, -1
         self.budget_bytes = self._resolve_budget(trainer)
@@ -502,11 +508,14 @@ class MemoryBudget(Callback):
 
     def _on_out_of_memory(self, trainer: Trainer, event: Any) -> str | None:
         pl_module = trainer.lightning_module
-        return self._replan(trainer, pl_module, event.batch, None, f"out of memory in the {event.where}")
+        change = self._replan(trainer, pl_module, event.batch, None, f"out of memory in the {event.where}")
+        if change is not None:
+            self._recovered = self.plan.plan.to_dict()  # every rank applies it after this step (_agree)
+        return change
 
     # -- watching every step -----------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        device = trainer.strategy.root_device
+        device = self._device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             self._watching = True
@@ -522,10 +531,18 @@ class MemoryBudget(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        over = self._measure()
+        if trainer.world_size > 1 and not self._pipeline:
+            self._agree(trainer, pl_module, batch, over)
+        elif over is not None:
+            self._over(trainer, pl_module, batch, over)
+
+    def _measure(self) -> int | None:
+        """The step's measured peak when it is above the plan's prediction (margin) or the budget, else ``None``."""
         if not self._watching:
-            return
+            return None
         self._watching = False
-        device = trainer.strategy.root_device
+        device = self._device
         if device.type == "cuda":
             measured = torch.cuda.max_memory_reserved(device) + self._context_bytes
         else:
@@ -533,7 +550,54 @@ class MemoryBudget(Callback):
             self._close()
         self.measured_peak_bytes = max(self.measured_peak_bytes or 0, measured)
         if measured > (self.plan.peak_bytes + self._missed) * (1 + self.margin) or measured > self.budget_bytes:
-            self._over(trainer, pl_module, batch, measured)
+            return measured
+        return None
+
+    # -- one plan on every rank --------------------------------------------------------------------
+    def _agree(self, trainer: Trainer, pl_module: LightningModule, batch: Any, over: int | None) -> None:
+        """After every step under several processes, one ``all_gather`` of what each rank needs: a plan an
+        out-of-memory recovery made during the step (the strongest is applied on every rank), or a step measured
+        above its prediction (the rank that measured the most re-plans on its batch and broadcasts the plan)."""
+        recovered, self._recovered = self._recovered, None
+        reports = _all_gather_object((over, recovered))
+        plans = [(Plan.from_dict(p), r) for r, (_, p) in enumerate(reports) if p is not None]
+        if plans:
+            plan, rank = max(plans, key=lambda pr: (sum(pr[0].strength()), pr[0].strength(), -pr[1]))
+            if plan != self.plan.plan:
+                self._adopt(trainer, pl_module, batch, plan, f"rank {rank} recovered from an out-of-memory error")
+            return
+        overs = [(m, -r) for r, (m, _) in enumerate(reports) if m is not None]
+        if not overs:
+            return
+        measured, src = max(overs)[0], -max(overs)[1]
+        if trainer.global_rank == src:
+            try:
+                self._over(trainer, pl_module, batch, measured)
+            except Exception:
+                trainer.strategy.broadcast(None, src=src)  # every rank stops, none waits
+                raise
+            trainer.strategy.broadcast((self.plan.plan.to_dict(), self._missed), src=src)
+            return
+        sent = trainer.strategy.broadcast(None, src=src)
+        if sent is None:
+            raise RuntimeError(f"{_OWNER}: rank {src} could not re-plan (its own line says why); every rank stops")
+        plan, self._missed = Plan.from_dict(sent[0]), max(self._missed, sent[1])
+        if plan != self.plan.plan:
+            self._adopt(trainer, pl_module, batch, plan, f"rank {src} re-planned")
+
+    def _adopt(self, trainer: Trainer, pl_module: LightningModule, batch: Any, plan: Plan, why: str) -> None:
+        """Apply another rank's ``plan`` between steps (estimated on this rank's ``batch`` for its prediction)."""
+        from lightning_memkit.estimate.plans import PlanResult
+
+        before, now = len(self.changes), self.plan.peak_bytes
+        with self._features_off(trainer, pl_module), unmeasured():
+            run = self._run(trainer, pl_module, batch, _between_steps(self.allow))
+            est = run.estimate(plan)
+            self.plan = PlanResult(plan, est.peak_bytes, 0.0, True, run, getattr(est, "host_bytes", 0))
+            self._apply(trainer, pl_module, run, late=True)
+        change = "; ".join(self.changes[before:]) or "the plan holds"
+        self.replans.append(Replan(int(trainer.global_step), batch_shape(batch), why, now, None, change))
+        _say(f"{_OWNER}: rank {trainer.global_rank} applies the plan of {why}: {change}")
 
     def _over(self, trainer: Trainer, pl_module: LightningModule, batch: Any, measured: int) -> None:
         predicted = self.plan.peak_bytes
@@ -584,6 +648,21 @@ class MemoryBudget(Callback):
         return "\n".join(lines)
 
     # -- inputs ------------------------------------------------------------------------------------
+    def preflight(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Refuse, in one line naming both, a budget larger than the training device's memory (CUDA: the device's
+        total; CPU: the machine's), before any data is read or anything planned (``memkit fit`` runs it before the
+        fit)."""
+        from lightning_memkit.measure.device import device_total_memory
+
+        if isinstance(self.budget, float):
+            return
+        device = trainer.strategy.root_device
+        total = device_total_memory(device)
+        if total is not None and self.budget > total:
+            where = "this machine's memory" if device.type == "cpu" else f"the memory of {device}"
+            raise ValueError(f"{_OWNER}(budget={self._given!r}): {format_bytes(self.budget)} is more than {where}, "
+                             f"{format_bytes(total)} ({total:,} B); give at most that, or a fraction of it such as 0.9")
+
     def _resolve_budget(self, trainer: Trainer) -> int:
         from lightning_memkit.measure.device import device_total_memory
 
@@ -611,6 +690,13 @@ def _saved_state(path: Any, key: str) -> dict[str, Any]:
     if not isinstance(checkpoint, dict):
         return {}
     return checkpoint.get("callbacks", {}).get(key) or {}
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (one ``all_gather_object`` of the default process group)."""
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 def _planning_rank(trainer: Trainer, batch: Any) -> int:

@@ -26,6 +26,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
+from lightning_memkit.callbacks.memory_budget import MemoryBudget
 from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
 from lightning_memkit.common.class_paths import instantiate
 from lightning_memkit.common.step_output import training_loss
@@ -272,6 +273,12 @@ class MemkitCLI(LightningCLI):
             raise ConfigError(f"trainer: {describe_config_error(err, self._config_dict())}") from err
 
     def before_fit(self) -> None:
+        from lightning_memkit.common.preflight import run_preflights
+
+        try:  # the callbacks' refusals (ExportAdapters on a model without adapters) before any data or planning
+            run_preflights(self.trainer, self.model)
+        except ValueError as err:
+            raise ConfigError(str(err), hint=False) from err
         for cb in self.trainer.callbacks:
             if isinstance(cb, PeakMemoryMonitor):
                 cb.verbose = False
@@ -280,6 +287,9 @@ class MemkitCLI(LightningCLI):
             from lightning_memkit.config.resume import last_checkpoint
 
             arguments["ckpt_path"] = str(last_checkpoint(self.trainer))
+        for cb in self.trainer.callbacks:  # the budget keeps the checkpoint's plan (one estimate, no search)
+            if isinstance(cb, MemoryBudget) and arguments.get("ckpt_path"):
+                cb.resume_from = str(arguments["ckpt_path"])
 
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:

@@ -4,7 +4,8 @@ The corpus is the ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` read i
 cut at ``max_bytes``; where those sources are absent (some embedded or stripped Pythons), the small
 text file shipped in ``lightning_memkit/demo/data/`` is used instead. ``path=`` points at your own
 file or folder. Samples are windows of ``seq_len + 1`` bytes at starts drawn once from a seeded
-generator, so the same arguments always give the same batches.
+generator, so the same arguments always give the same batches; a run resumed from a mid-epoch checkpoint
+continues that epoch where it stopped (the training loader is stateful).
 
 Example::
 
@@ -27,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_memkit.common.stateful_loader import EpochStatefulLoader
 from lightning_memkit.common.validation import check_choice, check_int, check_number
 
 __all__ = ["ByteTextDataModule", "ByteWindows", "load_corpus", "FALLBACK_TEXT"]
@@ -180,8 +182,11 @@ class ByteTextDataModule(pl.LightningDataModule):
         self.val_set = ByteWindows(val, self.seq_len, n_val_samples, seed=hp.seed + 1, batch_format=hp.batch_format)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, drop_last=True,
-                          num_workers=self.hparams.num_workers)
+        """The training windows in order, whole batches only, from an
+        :class:`~lightning_memkit.common.stateful_loader.EpochStatefulLoader`: a run resumed mid-epoch continues that
+        epoch where it stopped."""
+        return EpochStatefulLoader(self.train_set, batch_size=self.batch_size, shuffle=False, drop_last=True,
+                                   num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.hparams.num_workers)

@@ -3,7 +3,8 @@ transformers collator pads them (``labels`` ``-100`` and ``attention_mask`` 0 on
 
 Batch ``b`` of an epoch holds ``batch_size`` windows of at most ``lengths[b % len(lengths)]`` bytes (its last row
 exactly that long, the others up to a quarter shorter, seeded), so with ``lengths=(32, 256)`` the first batch is
-8 x 32 and the second 8 x 256: the case a plan made on the first batch gets wrong.
+8 x 32 and the second 8 x 256: the case a plan made on the first batch gets wrong. The training loader is
+stateful: a run resumed from a mid-epoch checkpoint continues that epoch where it stopped.
 
 Example::
 
@@ -22,8 +23,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
+from lightning_memkit.common.stateful_loader import EpochStatefulLoader
 from lightning_memkit.common.validation import check_bool, check_int
 from lightning_memkit.demo.byte_text import load_corpus
 
@@ -55,6 +57,33 @@ class _Windows(Dataset):
         return self.data[self.starts[i]:self.starts[i] + self.lengths[i]].long()
 
 
+class _Shuffle(RandomSampler):
+    """``RandomSampler`` without a generator (each epoch's order drawn from the global RNG as the epoch starts, the
+    order of a shuffled ``DataLoader``) whose state, the epoch's seed and the samples given, ``StatefulDataLoader``
+    saves and restores."""
+
+    def __init__(self, data_source: Dataset):
+        super().__init__(data_source)
+        self.seed, self.yielded, self._restored = 0, 0, None
+
+    def __iter__(self):
+        if self._restored is None:
+            seed, skip = int(torch.empty((), dtype=torch.int64).random_().item()), 0
+        else:
+            (seed, skip), self._restored = self._restored, None
+        self.seed, self.yielded = seed, skip
+        order = torch.randperm(len(self.data_source), generator=torch.Generator().manual_seed(seed)).tolist()
+        for i in order[skip:]:
+            self.yielded += 1
+            yield i
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._restored = (int(state["seed"]), int(state["yielded"]))
+
+
 class VariableLengthDataModule(pl.LightningDataModule):
     """Padded causal-LM batches of the lengths ``lengths``, one per batch in turn (see the module doc).
 
@@ -66,7 +95,9 @@ class VariableLengthDataModule(pl.LightningDataModule):
         seed: seed of the window starts and lengths.
         declare_longest: give the ``longest_batch()`` hook :class:`~lightning_memkit.callbacks.MemoryBudget` plans
             on (``False``: the budget finds the longest batch by scanning the samples).
-        shuffle: shuffle the training samples (the padding then mixes lengths).
+        shuffle: shuffle the training samples (the padding then mixes lengths), each epoch in an order drawn from
+            the global RNG (``seed_everything``) as it starts; a resumed run finishes the interrupted epoch in its
+            order, and the global RNG (which Lightning does not checkpoint) orders the later epochs.
     """
 
     def __init__(self, batch_size: int = 8, lengths: tuple[int, ...] | list[int] = (32, 256),
@@ -104,7 +135,10 @@ class VariableLengthDataModule(pl.LightningDataModule):
             self.train_set = _Windows(data, self._row_lengths(), self.seed)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=pad_hf)
+        """An :class:`~lightning_memkit.common.stateful_loader.EpochStatefulLoader`: a run resumed mid-epoch continues
+        that epoch where it stopped."""
+        sampler = _Shuffle(self.train_set) if self.shuffle else None
+        return EpochStatefulLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=pad_hf)
 
     def _longest_batch(self) -> dict[str, Any]:
         """The largest batch the epoch can hold: its ``batch_size`` longest windows, padded as a batch of them is

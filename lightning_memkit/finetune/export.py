@@ -38,6 +38,7 @@ __all__ = ["BASE_FILE", "ExportAdapters", "check_exportable", "export_adapters",
 
 BASE_FILE = "memkit_base.json"
 _OWNER = "export_adapters"
+_CALLBACK = "ExportAdapters"
 
 
 def export_adapters(module: nn.Module, directory: str | Path, *, base: str | None = None,
@@ -73,10 +74,10 @@ def export_adapters(module: nn.Module, directory: str | Path, *, base: str | Non
     return out
 
 
-def _the_model(module: nn.Module) -> nn.Module:
+def _the_model(module: nn.Module, owner: str = _OWNER) -> nn.Module:
     models = hf_models(module)
     if len(models) != 1:
-        raise ValueError(f"{_OWNER}: {type(module).__name__} holds {len(models)} transformers models; one is needed")
+        raise ValueError(f"{owner}: {type(module).__name__} holds {len(models)} transformers models; one is needed")
     return models[0][1]
 
 
@@ -95,27 +96,57 @@ def check_exportable(module: nn.Module) -> None:
     _checked(module)
 
 
-def _checked(module: nn.Module) -> tuple[nn.Module, dict[str, Any] | None, Any, Any]:
+def _checked(module: nn.Module, owner: str = _OWNER) -> tuple[nn.Module, dict[str, Any] | None, Any, Any]:
     """``(model, BitsAndBytesConfig arguments, peft model or None, the plugin's adapters or None)``, each refusal
-    of :func:`export_adapters` raised here."""
-    model = _the_model(module)
-    quantization = _quantization(model)
+    of :func:`export_adapters` raised here (its message starting with ``owner``)."""
+    model = _the_model(module, owner)
+    quantization = _quantization(model, owner)
     peft_model = _peft_model(module)
-    return model, quantization, peft_model, None if peft_model is not None else _own_adapters(model)
+    return model, quantization, peft_model, None if peft_model is not None else _own_adapters(model, owner)
 
 
-def _own_adapters(model: nn.Module) -> tuple[dict[str, LoRAAdapter], tuple[int, float, float]]:
+def _check_before_conversion(module: nn.Module, precision: Any, owner: str) -> None:
+    """Raise the error :func:`export_adapters` will raise once ``module`` is trained, from the module as it is before
+    the strategy converts it (``precision``, the Trainer's precision plugin, converts it at the strategy's setup):
+    a ``NoSaveBitsandbytesPrecision`` with ``lora_rank > 0`` that has not converted ``module`` yet adds adapters to
+    its Linear layers (and to its MoE experts, which peft cannot hold: refused). A module that holds no
+    transformers model yet and builds it in ``configure_model`` or ``setup`` is left to :func:`check_exportable`."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_memkit.hf.qlora import expert_modules
+    from lightning_memkit.plugins.nosave_bitsandbytes import NoSaveBitsandbytesPrecision
+
+    if not hf_models(module) and isinstance(module, pl.LightningModule) and any(
+            is_overridden(hook, module) for hook in ("configure_model", "setup")):
+        return
+    model = _the_model(module, owner)
+    if _peft_model(module) is not None:
+        return
+    plugin = precision if isinstance(precision, NoSaveBitsandbytesPrecision) else None
+    if plugin is None or plugin.lora_rank == 0 or module in plugin._converted:
+        _own_adapters(model, owner)  # adapters already there, or none to come
+        return
+    adapted = [n for n, _ in expert_modules(model) if not any(n.startswith(s) for s in plugin.ignore_modules)]
+    if adapted:
+        raise ValueError(f"{owner}: NoSaveBitsandbytesPrecision(lora_rank={plugin.lora_rank}) will put adapters on "
+                         f"the MoE experts ({', '.join(map(repr, adapted[:3]))}{', ...' if len(adapted) > 3 else ''})"
+                         ", which have no peft format; allowed: a peft LoraConfig on Linear layers with lora_rank=0, "
+                         "or the experts in ignore_modules")
+
+
+def _own_adapters(model: nn.Module, owner: str = _OWNER) -> tuple[dict[str, LoRAAdapter], tuple[int, float, float]]:
     """The plugin's adapters by layer name, and their one ``(rank, alpha, dropout)``."""
     if any(isinstance(m, ExpertLoRAAdapter) for m in model.modules()):
-        raise ValueError(f"{_OWNER}: the experts' adapters of a quantized MoE model have no peft format; only "
+        raise ValueError(f"{owner}: the experts' adapters of a quantized MoE model have no peft format; only "
                          "Linear layers' adapters can be exported")
     layers = {name: m.lora for name, m in model.named_modules() if isinstance(getattr(m, "lora", None), LoRAAdapter)}
     if not layers:
-        raise ValueError(f"{_OWNER}: the model has no adapters (train with NoSaveBitsandbytesPrecision(lora_rank=...) "
-                         "or a peft LoraConfig; a full fine-tune: memkit export --merged)")
+        raise ValueError(f"{owner}: the model has no adapters (train with NoSaveBitsandbytesPrecision(lora_rank=...) "
+                         "or a peft LoraConfig; a full fine-tune: memkit export --merged"
+                         + (f", without {_CALLBACK} in the callbacks)" if owner == _CALLBACK else ")"))
     shapes = {(a.rank, a.alpha, _dropout(a)) for a in layers.values()}
     if len(shapes) != 1:
-        raise ValueError(f"{_OWNER}: the adapters differ in rank, alpha or dropout ({sorted(shapes)}); peft's "
+        raise ValueError(f"{owner}: the adapters differ in rank, alpha or dropout ({sorted(shapes)}); peft's "
                          "LoraConfig holds one of each")
     return layers, shapes.pop()
 
@@ -140,7 +171,7 @@ def _dropout(adapter: LoRAAdapter) -> float:
     return float(getattr(adapter.dropout, "p", 0.0))
 
 
-def _quantization(model: nn.Module) -> dict[str, Any] | None:
+def _quantization(model: nn.Module, owner: str = _OWNER) -> dict[str, Any] | None:
     """``BitsAndBytesConfig`` arguments for the model's quantized Linear layers, or None when none is."""
     from lightning_memkit.plugins.nosave_linear import NoSaveLinearMixin
 
@@ -151,7 +182,7 @@ def _quantization(model: nn.Module) -> dict[str, Any] | None:
     if weight.dtype == torch.int8:
         return {"load_in_8bit": True}
     if getattr(weight, "blocksize", 64) != 64:
-        raise ValueError(f"{_OWNER}: the base was quantized in blocks of {weight.blocksize}; transformers' "
+        raise ValueError(f"{owner}: the base was quantized in blocks of {weight.blocksize}; transformers' "
                          "BitsAndBytesConfig quantizes in blocks of 64")
     return {"load_in_4bit": True, "bnb_4bit_quant_type": weight.quant_type,
             "bnb_4bit_use_double_quant": bool(weight.compress_statistics),
@@ -244,6 +275,12 @@ def _adapters(owner: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]
 class ExportAdapters(Callback):
     """Export the adapters (:func:`export_adapters`) at the end of ``fit``, on global rank 0.
 
+    A model that will have nothing to export (no adapters, none that the precision plugin adds, or the experts'
+    adapters of a quantized MoE model) is refused with one line by :meth:`preflight`, before any training:
+    ``memkit fit`` runs it before the fit starts; a ``Trainer`` at this callback's ``setup``, or at
+    ``MemoryBudget``'s before it plans, whatever order the callbacks are listed in. ``on_fit_start`` checks the
+    converted model again.
+
     Args:
         dirpath: where to write them (default: ``<trainer.default_root_dir>/adapters``).
 
@@ -261,8 +298,18 @@ class ExportAdapters(Callback):
         self.dirpath = dirpath
         self.written: Path | None = None
 
+    def preflight(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Raise ``ValueError`` (one line, naming this callback and what is allowed) when the fit would end with
+        nothing to export: checked on the module as built, before the precision plugin converts it (the plugin's
+        ``lora_rank`` adapters are counted). Cheap, and safe to call more than once."""
+        _check_before_conversion(pl_module, trainer.precision_plugin, _CALLBACK)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.preflight(trainer, pl_module)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        check_exportable(pl_module)  # the model is converted by now: refuse before training, not after it
+        _checked(pl_module, _CALLBACK)  # the model is converted by now: refuse before training, not after it
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:

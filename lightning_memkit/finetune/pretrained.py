@@ -29,6 +29,9 @@ DTYPES = ("bfloat16", "float16", "float32")
 class PretrainedCausalLM(CausalLMSteps, pl.LightningModule):
     """``AutoModelForCausalLM.from_pretrained(model, dtype=..., attn_implementation=...)`` as a LightningModule.
 
+    Inside an estimate (on fake tensors: ``memkit estimate --config``) the model is built from its config in
+    ``dtype`` and no weight is read.
+
     Args:
         model: a local directory written by ``save_pretrained`` or a hub name (read from the local cache; nothing
             is downloaded where the machine is offline).
@@ -62,11 +65,16 @@ class PretrainedCausalLM(CausalLMSteps, pl.LightningModule):
         check_number(weight_decay, "weight_decay", minimum=0, owner=owner)
         lora = lora_config(peft_lora, owner, task_type="CAUSAL_LM")
         self.save_hyperparameters()
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        kwargs = {"dtype": getattr(torch, dtype)}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), **kwargs)
+            if _on_fake_tensors():  # an estimate: the architecture from its config, in its dtype; no weight read
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), **kwargs)
+            else:
+                self.model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
         except OSError as err:
             raise ValueError(f"{owner}(model={model!r}): cannot load it: {err}") from None
         if lora is not None:
@@ -77,3 +85,11 @@ class PretrainedCausalLM(CausalLMSteps, pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+def _on_fake_tensors() -> bool:
+    """Whether tensors made now are fake (inside an estimate, ``memkit estimate --config``): the weights are then
+    not read, only their shapes and dtypes matter."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(torch.empty(0))

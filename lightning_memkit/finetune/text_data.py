@@ -119,13 +119,14 @@ class TextDataModule(pl.LightningDataModule):
             self.val_set.set_format("torch")
 
     def train_dataloader(self) -> DataLoader:
-        """A ``StatefulDataLoader`` (torchdata): Lightning saves its position with every checkpoint and restores it,
-        so a run resumed mid-epoch sees the rest of that epoch's batches, in order."""
-        from torchdata.stateful_dataloader import StatefulDataLoader
+        """An :class:`~lightning_memkit.common.stateful_loader.EpochStatefulLoader` (torchdata's
+        ``StatefulDataLoader``): Lightning saves its position with every checkpoint and restores it, so a run resumed
+        mid-epoch sees the rest of that epoch's batches, in order, and one resumed at an epoch's end the next epoch."""
+        from lightning_memkit.common.stateful_loader import EpochStatefulLoader
 
-        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
-                                  sampler=_EpochShuffle(len(self.train_set), self.hparams.seed),
-                                  collate_fn=self._collate, num_workers=self.hparams.num_workers)
+        return EpochStatefulLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
+                                   sampler=_EpochShuffle(len(self.train_set), self.hparams.seed),
+                                   collate_fn=self._collate, num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:

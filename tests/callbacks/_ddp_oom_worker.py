@@ -4,7 +4,10 @@
 
 Fits TinyLM under DDP (gloo) with ``MemoryBudget``, five optimizer steps of two accumulated batches each: once as
 is, then with an out-of-memory error injected on rank 1 only at step 3, in the forward, the backward and the
-optimizer step (a fit each), then with the error raised three times (past the two retries); and, with gradient
+optimizer step (a fit each), then with the error raised three times (past the two retries), then with rank 1
+holding 40% of the prediction more in every backward under a budget of 1.3 times the prediction (rank 1 re-plans,
+rank 0 applies its plan); and,
+with gradient
 clipping, once as is and once with rank 1's AdamW running out of memory in its first step after clipping and after
 creating part of its state. Writes each fit's step losses, final weights, recoveries and error to
 ``OUT/rank{r}.json``.
@@ -59,15 +62,29 @@ class FlakyLM(TinyLM):
         return FlakyAdamW(self.parameters(), fail=self.fail, lr=1e-3)
 
 
-def fit(rank: int, fault: InjectOOM | None | str) -> dict:
+class Hog(pl.Callback):
+    """Holds ``nbytes`` more during every step's backward on this rank: its steps peak above the prediction (a
+    prediction wrong on purpose, on one rank), and it re-plans."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.held = nbytes, None
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.held = torch.ones(self.nbytes, dtype=torch.uint8)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.held = None
+
+
+def fit(rank: int, fault: InjectOOM | None | str, budget: int | str = "1GiB", hog: int = 0) -> dict:
     pl.seed_everything(0, verbose=False)
     clip = isinstance(fault, str)
     kw = dict(d_model=64, n_layers=2, n_heads=4, seq_len=32)
     model = FlakyLM(fault == "adam" and rank == 1, **kw) if clip else TinyLM(**kw)
     fault = None if clip else fault
     data = ByteTextDataModule(batch_size=8, seq_len=32, max_bytes=50_000, samples_per_epoch=80)
-    budget, losses = MemoryBudget("1GiB"), StepLosses()
-    callbacks = [losses, budget] + ([fault] if fault is not None and rank == 1 else [])
+    budget, losses = MemoryBudget(budget, **({} if budget == "1GiB" else {"allow": ["micro_batch"]})), StepLosses()
+    callbacks = [losses, budget] + ([fault] if fault is not None and rank == 1 else []) + ([Hog(hog)] if hog else [])
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(), max_steps=5, accumulate_grad_batches=2,
                          gradient_clip_val=0.5 if clip else None,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -80,16 +97,20 @@ def fit(rank: int, fault: InjectOOM | None | str) -> dict:
     split = next(c for c in trainer.callbacks if type(c).__name__ == "MicroBatchSplit")
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     result.update(steps=losses.steps, step=trainer.global_step, recoveries=split.recoveries,
-                  replans=[str(r) for r in budget.replans], weights=flat.tolist())
+                  replans=[str(r) for r in budget.replans], weights=flat.tolist(),
+                  plan=budget.plan.plan.to_dict(), predicted=budget.plan.peak_bytes)
     return result
 
 
 def main() -> None:
-    out, cases = Path(sys.argv[1]), sys.argv[2:] or ["as_is", *WHERE, "exhausted", "clipped", "clipped_adam"]
+    out, cases = Path(sys.argv[1]), sys.argv[2:] or ["as_is", *WHERE, "exhausted", "clipped", "clipped_adam", "replan"]
     rank = int(os.environ["LOCAL_RANK"])
     faults = {where: InjectOOM(where, at_step=3, micro=2 if where != "optimizer" else 1) for where in WHERE}
     faults.update(as_is=None, exhausted=InjectOOM("forward", at_step=3, times=3), clipped="", clipped_adam="adam")
-    result = {case: fit(rank, faults[case]) for case in cases}
+    result = {case: fit(rank, faults[case]) for case in cases if case != "replan"}
+    if "replan" in cases:  # rank 1 holds 40% more than predicted, the budget 1.3x the prediction: rank 1 re-plans
+        true = result["as_is"]["predicted"]
+        result["replan"] = fit(rank, None, budget=int(true * 1.3), hog=int(true * 0.4) if rank == 1 else 0)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -35,6 +35,25 @@ def test_one_rank_out_of_memory_is_recovered_with_the_losses_and_weights_of_the_
             assert run["recoveries"] == []
     # the replicas stay identical: DDP reduced the gradients of the retried step as of any other
     assert results[0][where]["weights"] == results[1][where]["weights"]
+    # one plan on every rank: rank 0 applied rank 1's recovery plan after the step
+    assert results[0][where]["plan"] == results[1][where]["plan"] != results[0]["as_is"]["plan"]
+    assert "batch 8x32, 8x32: rank 1 recovered from an out-of-memory error" in results[0][where]["replans"][-1]
+
+
+@pytest.mark.slow
+def test_a_re_plan_one_rank_needs_is_applied_on_every_rank(results):
+    """Rank 1 holds 40% of the prediction more in every backward: its first step measures above the prediction and
+    re-plans (micro-batches), and rank 0 applies that plan after the same step (one all_gather a step, one broadcast
+    of the plan)."""
+    ours, other = results[1]["replan"], results[0]["replan"]
+    assert ours["error"] is None and other["error"] is None and ours["step"] == other["step"] == 5
+    assert ours["plan"] == other["plan"] and ours["plan"]["micro_batch"] < 8, (ours, other)
+    assert "a step peaked at" in ours["replans"][-1] and "micro-batches of at most 4" in ours["replans"][-1]
+    assert len(other["replans"]) == 1 and "rank 1 re-planned" in other["replans"][0]
+    assert other["replans"][0].endswith(ours["replans"][-1].rsplit("; ", 1)[1])  # the same change
+    assert ours["replans"][-1].split(":")[0] == other["replans"][0].split(":")[0]  # after the same step
+    assert ours["steps"] == pytest.approx(results[1]["as_is"]["steps"], abs=1e-4)
+    assert ours["weights"] == other["weights"]
 
 
 @pytest.mark.slow

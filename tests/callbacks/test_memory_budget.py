@@ -206,3 +206,17 @@ def test_the_fake_copy_allocates_nothing_real() -> None:
                and p.shape == q.shape and p.dtype == q.dtype for p, q in zip(params.values(), model.parameters()))
 
 
+@pytest.mark.parametrize("budget", ["1e30", 2**80, "machine+1"])
+def test_a_budget_over_the_machines_memory_is_refused_before_any_work(budget) -> None:
+    from lightning_memkit.measure.device import device_total_memory
+
+    total = device_total_memory("cpu")
+    given = total + 1 if budget == "machine+1" else budget
+    callback = MemoryBudget(given)
+    with pytest.raises(ValueError) as err:
+        _fit("llama", callback)
+    line = str(err.value)
+    assert line.startswith(f"MemoryBudget(budget={given!r}): ") and "\n" not in line
+    assert line.endswith(f"is more than this machine's memory, {total / 2**30:.2f} GiB ({total:,} B); give at most "
+                         "that, or a fraction of it such as 0.9")
+    assert callback.plan is None and callback.budget_bytes is None  # nothing planned

@@ -23,6 +23,8 @@ def test_the_budget_flag_adds_memory_budget_and_reports_its_plan(tmp_path, capsy
     (["--budget", "3 parsecs"], "--budget: MemoryBudget(budget='3 parsecs'): not a positive size"),
     (["--budget", "1.5"], r"--budget: MemoryBudget(budget=1.5): a float is a fraction"),
     (["--budget=1GiB", "--budget", "2GiB"], "--budget: given twice"),
+    (["--budget", "1e30"], "memkit fit: error: MemoryBudget(budget='1e30'): 931322574615478534144.00 GiB is more than "
+                           "this machine's memory"),
 ])
 def test_a_bad_budget_is_one_line(args, message, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

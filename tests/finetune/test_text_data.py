@@ -107,14 +107,16 @@ def _fit(files, base, max_steps, dirpath, ckpt_path=None):
         warnings.simplefilter("ignore")
         trainer = Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0,
-                          callbacks=[losses, ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=2)])
+                          callbacks=[losses, ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=2,
+                                                             save_top_k=-1)])
         trainer.fit(model, data, ckpt_path=ckpt_path)
     return losses, trainer.num_training_batches
 
 
 def test_a_run_resumed_mid_epoch_sees_the_batches_it_would_have_seen(files, tmp_path):
     """Killed after step 5 of a 6-batch epoch (its last checkpoint: step 4), resumed: the rest of epoch 0 in its
-    order, then epoch 1, with the losses of the run that never stopped (the training loader is stateful)."""
+    order, then epoch 1, with the losses of the run that never stopped (the training loader is stateful); resumed
+    from the step-6 checkpoint (the epoch's last batch): epoch 1."""
     from transformers import AutoTokenizer
 
     (files / "small.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:11]))
@@ -127,3 +129,7 @@ def test_a_run_resumed_mid_epoch_sees_the_batches_it_would_have_seen(files, tmp_
     rest, _ = _fit(files, base, 9, tmp_path / "run", ckpt_path="last")
     assert [e for e, _ in straight.batches] == [0] * 6 + [1] * 3
     assert rest.batches == straight.batches[4:] and rest.losses == straight.losses[4:]
+    # resumed from the checkpoint of the epoch's last batch: epoch 1 from its start, not an empty epoch
+    at_end = next((tmp_path / "straight").glob("*step=6*.ckpt"))
+    after, _ = _fit(files, base, 9, tmp_path / "end", ckpt_path=at_end)
+    assert after.batches == straight.batches[6:] and after.losses == straight.losses[6:]

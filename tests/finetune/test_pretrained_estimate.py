@@ -1,0 +1,58 @@
+"""``memkit estimate --config`` of a fine-tune of a user's checkpoint (``PretrainedCausalLM``): built from its config in
+the dtype it trains in (no weight read), with the QLoRA plugin's own adapters, within 5% of the measured peak."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("bitsandbytes")
+
+from lightning_memkit.demo.hf_models import tiny_hf_causal_lm  # noqa: E402
+from lightning_memkit.finetune import train_tokenizer  # noqa: E402
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 60))) for _ in range(40)]
+    (root / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    train_tokenizer(texts, root / "tok", vocab_size=300)
+    tiny_hf_causal_lm("llama", hidden_size=64, num_layers=2, vocab_size=320, seed=0).save_pretrained(root / "m")
+    path = root / "run.yaml"
+    path.write_text(f"""
+trainer:
+  accelerator: cpu
+  max_steps: 2
+  plugins:
+    - class_path: lightning_memkit.plugins.NoSaveBitsandbytesPrecision
+      init_args: {{mode: nf4, dtype: bfloat16, lora_rank: 8}}
+model:
+  class_path: lightning_memkit.finetune.PretrainedCausalLM
+  init_args: {{model: {root / "m"}, dtype: bfloat16}}
+data:
+  class_path: lightning_memkit.finetune.TextDataModule
+  init_args: {{path: {root / "d.jsonl"}, tokenizer: {root / "tok"}, max_length: 64, batch_size: 4, val_fraction: 0}}
+""")
+    return path
+
+
+def test_the_plugins_adapters_on_a_pretrained_checkpoint_estimate_within_5_percent(config, tmp_path):
+    from lightning_memkit.config.comparison import compare
+    from lightning_memkit.estimate.config import estimate_from_config
+
+    est = estimate_from_config(config)
+    # the weights are counted as loaded (bf16: 2 bytes each, before the plugin packs them), not read from disk
+    embeddings = 2 * 320 * 64 * 2  # embed_tokens and lm_head, bf16
+    assert est.phases[0].peak_bytes > embeddings
+    assert est.trainable_parameters == 2 * 8 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 3)
+    result = compare(config, steps=2, out_dir=tmp_path)
+    rows = {r.phase: r for r in result.rows}
+    measured = max(rows["forward+backward"].memkit_bytes, rows["optimizer step"].memkit_bytes)
+    assert abs(est.peak_bytes / measured - 1) <= 0.05, (est.peak_bytes, measured)
