@@ -219,12 +219,38 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
+#: plans whose predicted step times are within this fraction of the cheapest one's are a tie: the step time model's
+#: own error on measured steps is of this order (``benchmarks/bench_step_time.py``), and a machine probe measured while
+#: busy moves their order by as much; among them the plan changing fewer levers ranks first
+TIE = 0.05
+
+
+def _ranked(fitting: list[PlanResult], base: Plan) -> list[PlanResult]:
+    """``fitting`` cheapest first, except that the plans tied with the cheapest (:data:`TIE`) come first ordered by
+    what does not depend on the machine: the levers they change (fewer first), then the work they add (least first;
+    :meth:`~lightning_memkit.estimate.levers.plan.Plan.search_order`), then their predicted cost and strength; at
+    the same predicted cost a free lever that cuts nothing does not come first."""
+    def cost(r: PlanResult) -> tuple:
+        return r.plan["stages"], round(r.overhead, 6), r.plan.changes(base), -sum(r.plan.strength())
+
+    ordered = sorted(fitting, key=cost)
+    if not ordered:
+        return ordered
+    best = ordered[0]
+    tied = [r for r in ordered if r.plan["stages"] == best.plan["stages"]
+            and 1 + r.overhead <= (1 + best.overhead) * (1 + TIE)]
+    tied.sort(key=lambda r: (r.plan.changes(base), r.plan.search_order(base), *cost(r)[1:]))
+    return tied + [r for r in ordered if r not in tied]
+
+
 def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: int = 3,
                  max_estimates: int = 48, progress: Callable[[str], None] | None = None,
                  machine: MachineBalance | None = None, host_budget: int | None = None,
                  keep_base: bool = False) -> SearchResult:
     """Estimate the candidate plans of ``run`` and return those that fit ``budget_bytes``, cheapest first.
 
+    Plans whose predicted step times are within :data:`TIE` (5%) of the cheapest rank by the levers they change,
+    fewer first: the ranking does not flip on a machine probe's noise between plans the model cannot tell apart.
     The run as given and the strongest plan come first (if that one does not fit, no single-device plan does);
     when only the strongest fits, it is probed with each axis one step weaker (a probe that does not fit rules
     out that face of the plans); then the rest, least added work first, skipping a plan weaker than one that
@@ -286,9 +312,6 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
         for plan in list(search.queue):
             if (found := search.try_plan(plan, tried[0][1][1])) is not None and found[0].fits:
                 break
-    # the cheapest; at the same predicted cost the one changing fewer levers (a free lever that cuts nothing does not
-    # come first), then the strongest
-    fitting = sorted(search.fitting, key=lambda r: (r.plan["stages"], round(r.overhead, 6), r.plan.changes(base.plan),
-                                                    -sum(r.plan.strength())))
+    fitting = _ranked(search.fitting, base.plan)
     return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped,
                         search.capped, time.perf_counter() - search.start, search.machine.device)

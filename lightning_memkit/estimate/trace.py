@@ -389,8 +389,8 @@ class FakeKernelGaps(TorchDispatchMode):
         kwargs = kwargs or {}
         real = self._real(func, args, kwargs)
         if real == "sized":
-            out = _shaped(func, args, kwargs)  # fake first: its size decides
-            if out is not None and _expands(out, args, kwargs):
+            out = _shaped(func, args, kwargs)  # its size decides: fake outputs where it expands
+            if out is not None:
                 return out
         if real:
             with unset_fake_temporarily():
@@ -440,11 +440,25 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _shaped(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func`` on the fake mode below (its outputs' shapes), or ``None`` where fake tensors cannot run it (it reads
-    values: ``item()``, ``nonzero``; or it has no fake kernel): then it runs for real, as before any size test."""
+    """``func``'s outputs on the fake mode below where they expand (:func:`_expands`), else ``None`` (the op then
+    runs for real): their sizes from the op's meta kernel on ``meta`` copies of the real inputs first (no copy of
+    values, unlike a real tensor entering fake mode); ``None`` too where a meta or fake kernel cannot run it (it
+    reads values: ``item()``, ``nonzero``; or it has none), as before any size test."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._pytree import tree_map
+
+    def meta(x: Any) -> Any:
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
     try:
+        with unset_fake_temporarily():
+            sized = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+        size = sum(t.untyped_storage().nbytes() for t in iter_op_tensors([sized]))  # meta: shapes only
+        if not (size > REAL_OP_BYTES and size > 64 * _nbytes([*iter_op_tensors(args),
+                                                              *iter_op_tensors(kwargs.values())])):
+            return None
         return func(*args, **kwargs)
-    except Exception:  # whatever fake tensors refuse, the real op decides (and raises if it must)
+    except Exception:  # whatever meta or fake tensors refuse, the real op decides (and raises if it must)
         return None
 
 

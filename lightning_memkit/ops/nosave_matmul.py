@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -274,13 +275,14 @@ def _grad_input_4bit(meta: Packed4bit, tensors: tuple, grad: torch.Tensor) -> to
     grad2 = grad.reshape(-1, out_features)
     grad_x = torch.zeros(grad2.shape[0], in_features, dtype=grad.dtype, device=grad.device)
     # fake tensors (an estimate): the slices of full rows are alike, one stands for them all (fake_repeat)
-    for r0, count in alike_runs(out_features, rows, is_fake(grad)):
+    fake = not torch.compiler.is_compiling() and is_fake(grad)
+    for r0, count in alike_runs(out_features, rows, fake):
         r1 = min(out_features, r0 + rows)
         e0, e1 = r0 * in_features, r1 * in_features
         state = bnb_f.QuantState(absmax=absmax[e0 // meta.blocksize: -(-e1 // meta.blocksize)],
                                  shape=torch.Size((1, e1 - e0)), code=code, blocksize=meta.blocksize,
                                  quant_type=meta.quant_type, dtype=grad.dtype)  # flat: see the module notes
-        with stands_for(count):
+        with stands_for(count) if fake else contextlib.nullcontext():
             w = bnb_f.dequantize_4bit(flat_packed[e0 // 2: e1 // 2].view(-1, 1), state).reshape(r1 - r0, in_features)
             grad_x.addmm_(grad2[:, r0:r1], w)
             del w
