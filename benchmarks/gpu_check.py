@@ -46,6 +46,8 @@ CPU_ONLY_BENCHMARKS = {"budget": "the device limit is simulated with LivePeak on
                        "levers": "device and host bytes counted apart by LivePeak on CPU; the budget's limit "
                                  "simulated there, as in budget",
                        "peft_qlora": "CPU only (bitsandbytes on CPU)", "pipeline_mesh": "gloo processes on CPU",
+                       "plan_time": "planning time on this machine's cores: the estimates run on fake tensors on "
+                                    "the CPU whatever the device",
                        "plans_8b": "estimates made on this machine for a CUDA device; no step runs",
                        "recipes": "estimates made on this machine for a CUDA device; no step runs"}
 
