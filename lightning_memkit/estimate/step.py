@@ -622,8 +622,8 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
                   sum(p.numel() for g in optim.param_groups for p in g["params"]))
         layers = [name for name, _ in blocks]
         host = max(tracker.host_peaks.get(name, 0) for name in STEP_PHASES)
+        label = _precision_label(precision, plugin, model)
         del run, model, optim, blocks
-    label = precision if plugin is None else type(getattr(plugin, "converted_by", plugin)).__name__
     return StepTrace(phases, counts[0], counts[1], label, features,
                      fast.flops, tracker.allocated, target, foreach, events, layers, host,
                      tracker.allocated_by_phase.get("optimizer step", 0), steady)
@@ -678,6 +678,17 @@ def _previous_micro_step(run: _Run, grads: dict[str, tuple[int, torch.dtype]]) -
         for name, p in run.model.named_parameters():
             if name in grads and p.grad is None:
                 p.grad = torch.zeros_like(p, dtype=grads[name][1], memory_format=torch.preserve_format)
+
+
+def _precision_label(precision: str, plugin: Any, model: nn.Module) -> str:
+    """The estimate's precision in words: the plugin's name, or ``precision`` with the weights' dtype where
+    ``32-true`` trains weights loaded in another (a ``PretrainedCausalLM(dtype="bfloat16")``)."""
+    if plugin is not None:
+        return type(getattr(plugin, "converted_by", plugin)).__name__
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if precision == "32-true" and len(dtypes) == 1 and torch.float32 not in dtypes:
+        return f"{precision} ({str(dtypes.pop()).removeprefix('torch.')} weights)"
+    return precision
 
 
 def _build_logged(model_factory: Callable[[], nn.Module], precision: str, plugin: Any,

@@ -56,3 +56,20 @@ def test_the_plugins_adapters_on_a_pretrained_checkpoint_estimate_within_5_perce
     rows = {r.phase: r for r in result.rows}
     measured = max(rows["forward+backward"].memkit_bytes, rows["optimizer step"].memkit_bytes)
     assert abs(est.peak_bytes / measured - 1) <= 0.05, (est.peak_bytes, measured)
+
+
+def test_a_full_fine_tune_of_bf16_weights_counts_them_in_bf16(config, tmp_path):
+    """Without the plugin the weights train as loaded, in bf16: the load phase holds 2 bytes a parameter (and the
+    rotary buffer), and the estimate says so."""
+    import yaml
+
+    from lightning_memkit.estimate.config import estimate_from_config
+
+    parsed = yaml.safe_load(config.read_text())
+    parsed["trainer"].pop("plugins")
+    plain = tmp_path / "full.yaml"
+    plain.write_text(yaml.safe_dump(parsed))
+    est = estimate_from_config(plain)
+    assert est.precision == "32-true (bfloat16 weights)"
+    assert est.trainable_parameters == est.parameters
+    assert 2 * est.parameters <= est.phases[0].peak_bytes <= 2 * est.parameters + 1024
