@@ -309,7 +309,7 @@ def run(device: str = "cpu", quick: bool = False) -> list[dict]:
                 _fit(family, QUICK, [], root, measured=True)
             for _, make in LEVERS[1:]:
                 _fit(FAMILIES[0], QUICK, make(), root, measured=True)
-            _fit(FAMILIES[0], QUICK, [MemoryBudget(2**40)], root, measured=True)
+            _fit(FAMILIES[0], QUICK, [MemoryBudget(2**30)], root, measured=True)
             for family, case_shape in [*((f, shape) for f in FAMILIES), (FAMILIES[0], WIDE_QUICK if quick else WIDE)]:
                 levers, base, last = _levers_case(family, case_shape, root)
                 entries += [levers, _budget_case(family, case_shape, base, last, root)]
