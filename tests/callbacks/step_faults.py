@@ -67,3 +67,18 @@ class InjectOOM(pl.Callback):
     def teardown(self, trainer, pl_module, stage) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def short_estimates(monkeypatch, nbytes: int) -> None:
+    """Every estimate misses ``nbytes`` (as if the step held a buffer the estimate cannot see): a plan that looks
+    as if it fits does not (a prediction wrong on purpose)."""
+    from lightning_memkit.estimate.module import ModuleRun
+
+    real = ModuleRun.estimate
+
+    def estimate(self, plan):
+        est = real(self, plan)
+        est.peak_bytes -= nbytes
+        return est
+
+    monkeypatch.setattr(ModuleRun, "estimate", estimate)

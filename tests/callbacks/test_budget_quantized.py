@@ -12,7 +12,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from step_faults import InjectOOM, StepLosses
+from step_faults import InjectOOM, StepLosses, short_estimates
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -65,24 +65,12 @@ def as_is(user_files):
     return {family: _fit(user_files, family)[:2] for family in ("gemma3_text", "qwen3_moe")}
 
 
-def _missing(monkeypatch, nbytes: int) -> None:
-    """Every estimate misses ``nbytes``: a plan that looks as if it fits does not (a wrong prediction on purpose)."""
-    real = ModuleRun.estimate
-
-    def estimate(self, plan):
-        est = real(self, plan)
-        est.peak_bytes -= nbytes
-        return est
-
-    monkeypatch.setattr(ModuleRun, "estimate", estimate)
-
-
 @pytest.mark.parametrize("family", ["gemma3_text", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_a_qlora_fine_tune_is_planned_replanned_and_recovered_with_the_same_losses(family, user_files, as_is,
                                                                                    monkeypatch) -> None:
     peak, reference = as_is[family]
     budget = MemoryBudget(int(peak * 0.6), allow=["recompute", "fused_loss", "micro_batch"])
-    _missing(monkeypatch, int(peak * 0.1))
+    short_estimates(monkeypatch, int(peak * 0.1))
     fault = InjectOOM("forward", at_step=3)
     measured, losses, trainer = _fit(user_files, family, budget, fault)
     assert trainer.global_step == STEPS and fault.raised == 1

@@ -8,11 +8,10 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from step_faults import StepLosses
+from step_faults import StepLosses, short_estimates
 
 from lightning_memkit.callbacks import ActivationCheckpointing, MemoryBudget
 from lightning_memkit.demo import ByteTextDataModule, HFCausalLM, TinyLM
-from lightning_memkit.estimate.module import ModuleRun
 from lightning_memkit.memory import LivePeak
 
 STEPS = 2
@@ -86,22 +85,9 @@ def test_nothing_fits_raises_before_any_step() -> None:
     assert seen == []
 
 
-def _under(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
-    """Every estimate misses ``nbytes`` (as if the step held a buffer the estimate cannot see): a plan that looks
-    as if it fits does not."""
-    real = ModuleRun.estimate
-
-    def estimate(self, plan):
-        est = real(self, plan)
-        est.peak_bytes -= nbytes
-        return est
-
-    monkeypatch.setattr(ModuleRun, "estimate", estimate)
-
-
 def test_a_wrong_estimate_is_caught_on_the_first_steps_and_stops(monkeypatch, as_is) -> None:
     peak = as_is["tiny_lm"][0]
-    _under(monkeypatch, int(peak * 0.15))
+    short_estimates(monkeypatch, int(peak * 0.15))
     budget = MemoryBudget(int(peak * 0.9), allow=["fused_loss"])  # TinyLM has no HF head: nothing can change
     with pytest.raises(RuntimeError, match=r"MemoryBudget: a step peaked at .* above the budget .*batch 8x64, 8x64, "
                                            r"[\d,]+ B measured, [\d,]+ B predicted\), and re-planning between steps "
@@ -112,7 +98,7 @@ def test_a_wrong_estimate_is_caught_on_the_first_steps_and_stops(monkeypatch, as
 
 def test_a_wrong_estimate_is_replanned_with_micro_batches_between_steps(monkeypatch, as_is) -> None:
     peak, losses = as_is["tiny_lm"]
-    _under(monkeypatch, int(peak * 0.15))
+    short_estimates(monkeypatch, int(peak * 0.15))
     budget = MemoryBudget(int(peak * 0.9), allow=["micro_batch"])
     _, got, _ = _fit("tiny_lm", budget)
     assert budget.replanned and "micro-batches of at most" in budget.replans[0].change
@@ -124,7 +110,7 @@ def test_a_wrong_estimate_is_replanned_with_micro_batches_between_steps(monkeypa
 
 def test_a_wrong_estimate_is_caught_on_the_first_step_and_replanned(monkeypatch, as_is) -> None:
     peak = as_is["tiny_lm"][0]
-    _under(monkeypatch, int(peak * 0.15))
+    short_estimates(monkeypatch, int(peak * 0.15))
     budget = MemoryBudget(int(peak * 0.9), allow=["recompute"])
     measured, _, _ = _fit("tiny_lm", budget)
     assert budget.replanned and any("activation checkpointing" in c for c in budget.changes)
