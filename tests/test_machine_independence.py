@@ -128,6 +128,7 @@ def test_the_planning_modules_are_found() -> None:
             "tests/cli/test_cli_estimate.py", "tests/finetune/test_recipes.py"} <= names
 
 
+@pytest.mark.timeout(CHILD_TIMEOUT_S + 60)  # the child runs every planning module's default tests (minutes)
 @pytest.mark.parametrize("name", list(BALANCES))
 def test_the_tests_that_plan_pass_under_a_forced_balance(name: str) -> None:
     code, failed, out = run_forced(planning_modules(), BALANCES[name])
