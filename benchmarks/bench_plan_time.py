@@ -11,17 +11,16 @@ adapters (``NoSaveBitsandbytesPrecision("nf4", "bfloat16")``, rank 8 on the atte
   30 s), the number of estimates it ran and the plan it chose;
 - the fit that follows (2 optimizer steps, model and data set-up excluded) for scale.
 
-All on CPU with this machine's two threads; the plans are ranked with the H100 balance (``MEMKIT_MACHINE=h100``) so
-the chosen plan does not depend on the machine's load. ``quick=True`` runs the Gemma3 QLoRA case alone.
+All on CPU with this machine's two threads; the plans are ranked with the H100 balance
+(``MemoryBudget(machine="h100")``) so the chosen plan does not depend on the machine's load. ``quick=True`` runs
+the Gemma3 QLoRA case alone.
 
     python -m benchmarks.run --only plan_time --device cpu
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import tempfile
 import time
@@ -99,7 +98,7 @@ def _search_and_fit(root: Path, family: str, mode: str, budget: int) -> dict:
             self.seconds = time.perf_counter() - self.start
 
     model, data, plugin = _parts(root, family, mode)
-    budget_cb, clock = Timed(budget), FitClock()
+    budget_cb, clock = Timed(budget, machine="h100"), FitClock()  # plans ranked alike on any machine
     kwargs = {"plugins": [plugin]} if plugin is not None else {"precision": "bf16-true"}
     ModuleRun.estimate = lambda self, plan: calls.append(1) or estimate(self, plan)
     try:
@@ -115,24 +114,11 @@ def _search_and_fit(root: Path, family: str, mode: str, budget: int) -> dict:
             "predicted_mib": round(budget_cb.plan.peak_bytes / 2**20, 2)}
 
 
-@contextlib.contextmanager
-def _pinned():
-    before = os.environ.get("MEMKIT_MACHINE")
-    os.environ["MEMKIT_MACHINE"] = "h100"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("MEMKIT_MACHINE")
-        else:
-            os.environ["MEMKIT_MACHINE"] = before
-
-
 def run(device: str = "cpu", quick: bool = False) -> list[dict]:
     if device != "cpu":
         return []
     entries = []
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _pinned():
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         root = Path(tmp)
         _files(root)

@@ -184,7 +184,6 @@ class MemoryBudget(Callback):
         self._batch: Any = None  # the batch planned on
         self._restored: dict | None = None  # the plan of the checkpoint resumed from, applied at on_train_start
         self._recovered: dict | None = None  # the plan an out-of-memory recovery made in this step (to agree on)
-        self._device = torch.device("cpu")
         #: the checkpoint this fit resumes from, when known before ``setup`` (``memkit fit --ckpt_path`` sets it): its
         #: plan is estimated once and kept where it fits, instead of a search
         self.resume_from: str | None = None
@@ -198,8 +197,7 @@ class MemoryBudget(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self.preflight(trainer, pl_module)
-        run_preflights(trainer, pl_module, skip=self)  # the callbacks' refusals (ExportAdapters) before planning
+        run_preflights(trainer, pl_module)  # the callbacks' refusals (this one's, ExportAdapters') before planning
         self.changes, self.plan, self.measured_peak_bytes, self.replans = [], None, None, []
         self._missed, self._largest = 0, -1
         self.budget_bytes = self._resolve_budget(trainer)
@@ -285,7 +283,6 @@ class MemoryBudget(Callback):
     def _agreed(self, trainer: Trainer, run: Any, result: Any, src: int) -> Any:
         """The plan of rank ``src``'s ``result`` (a run that fits as given: unchanged; ``None``: nothing fits), the
         same on every rank: sent by ``src`` in one broadcast, estimated by each other rank on its own batch."""
-        from lightning_memkit.estimate.plans import PlanResult
 
         mine = None
         if result is not None:
@@ -298,10 +295,7 @@ class MemoryBudget(Callback):
             return None
         if mine is not None:
             return mine
-        plan = Plan.from_dict(chosen)
-        with unmeasured():
-            est = run.estimate(plan)
-        return PlanResult(plan, est.peak_bytes, 0.0, True, run, getattr(est, "host_bytes", 0))
+        return _estimated(run, Plan.from_dict(chosen))
 
     # -- resuming ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -318,29 +312,25 @@ class MemoryBudget(Callback):
         """A resume whose checkpoint is known at ``setup`` (:attr:`resume_from`, which ``memkit fit --ckpt_path``
         sets, or ``trainer.ckpt_path``): the checkpoint's plan, estimated once, when it still fits (no search).
         Under several processes the planning rank decides for all."""
-        from lightning_memkit.estimate.plans import PlanResult
-
         saved = _saved_state(self.resume_from or trainer.ckpt_path, self.state_key)
         if not saved.get("plan"):
             return False
         plan, self._missed = Plan.from_dict(saved["plan"]), int(saved.get("missed_bytes", 0))
         src = _planning_rank(trainer, batch)
         run = self._run(trainer, pl_module, batch, self.allow)
-        with unmeasured():
-            est = run.estimate(plan)
+        result = _estimated(run, plan)
         limit = self.budget_bytes - self._context_bytes - self._missed
-        fits = est.peak_bytes * (1 + self.margin) <= limit
+        fits = result.peak_bytes * (1 + self.margin) <= limit
         if trainer.world_size > 1:
             fits = trainer.strategy.broadcast(fits, src=src)
         if not fits:
             _say(f"{_OWNER}: the checkpoint's plan ({plan.describe(run.base)}) predicts "
-                 f"{format_bytes(est.peak_bytes)}, over the budget now: planning again")
+                 f"{format_bytes(result.peak_bytes)}, over the budget now: planning again")
             return False
-        self._batch, self._restored = batch, None
-        self.plan = PlanResult(plan, est.peak_bytes, 0.0, True, run, getattr(est, "host_bytes", 0))
+        self._batch, self._restored, self.plan = batch, None, result
         self._apply(trainer, pl_module, run, late=False)
         _say(f"{_OWNER}: resumed with the checkpoint's plan, estimated once: predicted peak "
-             f"{format_bytes(est.peak_bytes)} within the budget {format_bytes(self.budget_bytes)}")
+             f"{format_bytes(result.peak_bytes)} within the budget {format_bytes(self.budget_bytes)}")
         return True
 
     def _resume_plan(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -515,7 +505,7 @@ class MemoryBudget(Callback):
 
     # -- watching every step -----------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        device = self._device = trainer.strategy.root_device
+        device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             self._watching = True
@@ -531,18 +521,17 @@ class MemoryBudget(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        over = self._measure()
+        over = self._measure(trainer.strategy.root_device)
         if trainer.world_size > 1 and not self._pipeline:
             self._agree(trainer, pl_module, batch, over)
         elif over is not None:
             self._over(trainer, pl_module, batch, over)
 
-    def _measure(self) -> int | None:
+    def _measure(self, device: torch.device) -> int | None:
         """The step's measured peak when it is above the plan's prediction (margin) or the budget, else ``None``."""
         if not self._watching:
             return None
         self._watching = False
-        device = self._device
         if device.type == "cuda":
             measured = torch.cuda.max_memory_reserved(device) + self._context_bytes
         else:
@@ -569,7 +558,8 @@ class MemoryBudget(Callback):
         overs = [(m, -r) for r, (m, _) in enumerate(reports) if m is not None]
         if not overs:
             return
-        measured, src = max(overs)[0], -max(overs)[1]
+        measured, src = max(overs)
+        src = -src  # the lowest rank of those that measured the most
         if trainer.global_rank == src:
             try:
                 self._over(trainer, pl_module, batch, measured)
@@ -587,13 +577,10 @@ class MemoryBudget(Callback):
 
     def _adopt(self, trainer: Trainer, pl_module: LightningModule, batch: Any, plan: Plan, why: str) -> None:
         """Apply another rank's ``plan`` between steps (estimated on this rank's ``batch`` for its prediction)."""
-        from lightning_memkit.estimate.plans import PlanResult
-
         before, now = len(self.changes), self.plan.peak_bytes
         with self._features_off(trainer, pl_module), unmeasured():
             run = self._run(trainer, pl_module, batch, _between_steps(self.allow))
-            est = run.estimate(plan)
-            self.plan = PlanResult(plan, est.peak_bytes, 0.0, True, run, getattr(est, "host_bytes", 0))
+            self.plan = _estimated(run, plan)
             self._apply(trainer, pl_module, run, late=True)
         change = "; ".join(self.changes[before:]) or "the plan holds"
         self.replans.append(Replan(int(trainer.global_step), batch_shape(batch), why, now, None, change))
@@ -677,6 +664,15 @@ class MemoryBudget(Callback):
                                  "the budget in bytes or as a size such as '24GiB'")
             return int(total * self.budget)
         return self.budget
+
+
+def _estimated(run: Any, plan: Plan) -> Any:
+    """``plan`` (chosen as fitting: by this rank's search, another rank's, or a checkpoint) estimated on ``run``."""
+    from lightning_memkit.estimate.plans import PlanResult
+
+    with unmeasured():
+        est = run.estimate(plan)
+    return PlanResult(plan, est.peak_bytes, 0.0, True, run, getattr(est, "host_bytes", 0))
 
 
 def _saved_state(path: Any, key: str) -> dict[str, Any]:

@@ -24,10 +24,10 @@ from typing import Any
 __all__ = ["run_preflights"]
 
 
-def run_preflights(trainer: Any, pl_module: Any, skip: Any = None) -> None:
-    """Call ``preflight(trainer, pl_module)`` of every callback on ``trainer`` that defines one (``skip``: one to
-    leave out, e.g. the caller), in the Trainer's order; their ``ValueError`` propagates."""
+def run_preflights(trainer: Any, pl_module: Any) -> None:
+    """Call ``preflight(trainer, pl_module)`` of every callback on ``trainer`` that defines one, in the Trainer's
+    order; their ``ValueError`` propagates."""
     for callback in list(trainer.callbacks):
         check = getattr(callback, "preflight", None)
-        if callback is not skip and callable(check):
+        if callable(check):
             check(trainer, pl_module)

@@ -279,16 +279,15 @@ class MemkitCLI(LightningCLI):
             run_preflights(self.trainer, self.model)
         except ValueError as err:
             raise ConfigError(str(err), hint=False) from err
-        for cb in self.trainer.callbacks:
-            if isinstance(cb, PeakMemoryMonitor):
-                cb.verbose = False
         arguments = self.config_init[self.subcommand] if self.subcommand else self.config_init
         if arguments.get("ckpt_path") == "last":  # the newest of the run's versions, or one line: never step 0
             from lightning_memkit.config.resume import last_checkpoint
 
             arguments["ckpt_path"] = str(last_checkpoint(self.trainer))
-        for cb in self.trainer.callbacks:  # the budget keeps the checkpoint's plan (one estimate, no search)
-            if isinstance(cb, MemoryBudget) and arguments.get("ckpt_path"):
+        for cb in self.trainer.callbacks:
+            if isinstance(cb, PeakMemoryMonitor):
+                cb.verbose = False
+            if isinstance(cb, MemoryBudget) and arguments.get("ckpt_path"):  # the checkpoint's plan: one estimate
                 cb.resume_from = str(arguments["ckpt_path"])
 
     def after_fit(self) -> None:

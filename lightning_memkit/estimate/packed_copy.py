@@ -64,11 +64,12 @@ def packed_like(p: torch.Tensor, like: Any, memo: dict[int, Any]) -> nn.Paramete
     state = getattr(p, "quant_state", None)
     if state is not None:
         new.quant_state = memo.setdefault(id(state), _state_like(state, like))
-    for name in ("SCB", "CB"):
-        t = getattr(p, name, None)
-        if isinstance(t, torch.Tensor):
-            setattr(new, name, new if name == "CB" else memo.setdefault(id(t), like(t)))
-            memo.setdefault(id(t), getattr(new, name))
+    scb, cb = getattr(p, "SCB", None), getattr(p, "CB", None)
+    if isinstance(scb, torch.Tensor):  # int8's row scales (the layer's state may hold them too)
+        new.SCB = memo.setdefault(id(scb), like(scb))
+    if isinstance(cb, torch.Tensor):  # int8's CB is the weight's own data
+        new.CB = new
+        memo.setdefault(id(cb), new)
     return new
 
 

@@ -453,18 +453,15 @@ def _shaped(func: Any, args: tuple, kwargs: dict) -> Any:
     try:
         with unset_fake_temporarily():
             sized = func(*tree_map(meta, args), **tree_map(meta, kwargs))
-        size = sum(t.untyped_storage().nbytes() for t in iter_op_tensors([sized]))  # meta: shapes only
-        if not (size > REAL_OP_BYTES and size > 64 * _nbytes([*iter_op_tensors(args),
-                                                              *iter_op_tensors(kwargs.values())])):
-            return None
-        return func(*args, **kwargs)
+        return func(*args, **kwargs) if _expands(sized, args, kwargs) else None
     except Exception:  # whatever meta or fake tensors refuse, the real op decides (and raises if it must)
         return None
 
 
 def _expands(out: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether the (fake) outputs ``out`` of an op take more than :data:`REAL_OP_BYTES` and 64 times its inputs."""
-    size = _nbytes(iter_op_tensors([out]))
+    """Whether the outputs ``out`` of an op (``meta``: shapes only) take more than :data:`REAL_OP_BYTES` and 64 times
+    its (real) inputs."""
+    size = sum(t.untyped_storage().nbytes() for t in iter_op_tensors([out]))
     return size > REAL_OP_BYTES and size > 64 * _nbytes([*iter_op_tensors(args), *iter_op_tensors(kwargs.values())])
 
 

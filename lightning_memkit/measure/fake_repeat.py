@@ -33,11 +33,16 @@ def repeat_factor() -> int:
     return _FACTOR[0]
 
 
-@contextlib.contextmanager
-def stands_for(count: int) -> Iterator[None]:
-    """The ops inside count ``count`` times (nested: the product)."""
+def stands_for(count: int) -> contextlib.AbstractContextManager[None]:
+    """The ops inside count ``count`` times (nested: the product); a count of 1 is a plain ``nullcontext`` (no state
+    touched, so a loop compiled by ``torch.compile`` traces through it)."""
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"stands_for(count={count!r}): a positive int")
+    return contextlib.nullcontext() if count == 1 else _standing(count)
+
+
+@contextlib.contextmanager
+def _standing(count: int) -> Iterator[None]:
     _FACTOR[0] *= count
     try:
         yield

@@ -43,7 +43,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -344,7 +343,7 @@ def _lse_pass(ctx, x, weight, bias, t, lse, lse_grad, grads) -> None:
     dx, dw, db = grads
     for a, count in alike_runs(x.shape[0], rows, is_fake(x)):
         b = min(a + rows, x.shape[0])
-        with stands_for(count) if count > 1 else contextlib.nullcontext():
+        with stands_for(count):
             g = ch.lse_gradient(ch.logits(a, b), a, b, lse[a:b], lse_grad[a:b])
             ch.accumulate(g, a, b, dx, dw, db, add=True)
 
@@ -373,7 +372,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         # fake tensors (an estimate): the chunks of full rows are alike, one stands for them all (fake_repeat)
         for a, count in alike_runs(n, setup.plan.rows, is_fake(x)):
             b = min(a + setup.plan.rows, n)
-            with stands_for(count) if count > 1 else contextlib.nullcontext():
+            with stands_for(count):
                 z = ch.logits(a, b)
                 if setup.accuracy:  # the logits as the loss sees them, before the rows' math overwrites them
                     correct[a:b] = z.argmax(1) == t[a:b]
@@ -450,7 +449,7 @@ def _recomputed_grads(ctx, grad_out):
     ch = _Chunker(x, weight, bias, t, setup, ctx.weights)
     for a, count in alike_runs(x.shape[0], setup.plan.rows, is_fake(x)):
         b = min(a + setup.plan.rows, x.shape[0])
-        with stands_for(count) if count > 1 else contextlib.nullcontext():
+        with stands_for(count):
             z = ch.logits(a, b)
             ch.loss_and_grad(z, a, b, grad_scale=scale, lse=lse[a:b])
             ch.accumulate(ch.gradient(z), a, b, dx, dw, db)

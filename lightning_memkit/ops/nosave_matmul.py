@@ -37,7 +37,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -282,7 +281,7 @@ def _grad_input_4bit(meta: Packed4bit, tensors: tuple, grad: torch.Tensor) -> to
         state = bnb_f.QuantState(absmax=absmax[e0 // meta.blocksize: -(-e1 // meta.blocksize)],
                                  shape=torch.Size((1, e1 - e0)), code=code, blocksize=meta.blocksize,
                                  quant_type=meta.quant_type, dtype=grad.dtype)  # flat: see the module notes
-        with stands_for(count) if fake else contextlib.nullcontext():
+        with stands_for(count):
             w = bnb_f.dequantize_4bit(flat_packed[e0 // 2: e1 // 2].view(-1, 1), state).reshape(r1 - r0, in_features)
             grad_x.addmm_(grad2[:, r0:r1], w)
             del w
