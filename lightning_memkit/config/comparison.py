@@ -14,7 +14,9 @@ Each run is measured from before the model is built to after ``fit`` returns, by
 device), with the high-water mark restarted at each phase boundary:
 
 - **setup/load**: building the model, trainer and data, then ``fit`` up to the first batch (weights,
-  strategy and precision set-up, checkpoint or MXFP4 loads, ``configure_optimizers``);
+  strategy and precision set-up, checkpoint or MXFP4 loads, ``configure_optimizers``); the model's parameters
+  and buffers count from the moment it is built, also those no op allocated (a safetensors checkpoint
+  memory-mapped in the dtype it is loaded in);
 - **forward+backward**: from each batch's start to ``on_before_optimizer_step`` (the largest over steps);
 - **optimizer step**: from there to the batch's end (optimizer state is created at the first step);
 - **between phases**: the bytes still alive after ``fit`` has returned, which the next phase (``test``,
@@ -304,6 +306,8 @@ def _run(config: dict[str, Any], path: Path, label: str) -> RunResult:
     gc.collect()
     with quiet(), LivePeak() as tracker:
         cli = MemkitCLI(args=["--config", str(path)], run=False)
+        # weights made outside the ops LivePeak sees (a safetensors checkpoint memory-mapped in its own dtype)
+        tracker.track([*cli.model.parameters(), *cli.model.buffers()])
         trainer = cli.trainer
         if trainer.world_size > 1:
             raise ConfigError(

@@ -123,6 +123,12 @@ class SearchResult:
         return "\n".join(lines)
 
 
+#: plans whose predicted step times are within this fraction of the cheapest one's are a tie: the step time model's
+#: own error on measured steps is of this order (``benchmarks/bench_step_time.py``), and a machine probe measured while
+#: busy moves their order by as much; among them the plan changing fewer levers ranks first
+TIE = 0.05
+
+
 # -- the search --------------------------------------------------------------------------------------------------
 def _strongest(plans: list[Plan]) -> list[Plan]:
     """The plans no other one is stronger than, strongest first: one plan (each lever at its strongest) where the levers
@@ -151,6 +157,16 @@ def _probes(top: Plan, plans: list[Plan]) -> list[Plan]:
     return [best[i] for i in sorted(best)]
 
 
+def _tight(strongest: tuple[PlanResult, StepCost] | None, base: PlanResult, budget: int, margin: float) -> bool:
+    """Whether the strongest plan is probed (:func:`_probes`): it fits, the run as given does not, and the budget is
+    below the geometric mean of their peaks (with the margin). The plans' peaks spread between those two; a probe
+    rules plans out only when it does not fit, which is likely only where most plans do not fit: under a looser
+    budget the probes would fit, estimates that rule nothing out."""
+    if strongest is None or base.fits:
+        return False
+    return budget < (strongest[0].peak_bytes * base.peak_bytes) ** 0.5 * (1 + margin)
+
+
 @dataclass
 class _Search:
     """The state of one :func:`search_plans`."""
@@ -168,10 +184,20 @@ class _Search:
     base_cost: float = 0.0
     queue: list[Plan] = field(default_factory=list)  # the plans still to try, in order (for the progress line)
     done: set[Plan] = field(default_factory=set)  # the plans tried (estimated or ruled out)
+    overheads: list[tuple[Plan, float]] = field(default_factory=list)  # every plan estimated, its predicted overhead
     start: float = field(default_factory=time.perf_counter)
 
     def ruled_out(self, plan: Plan) -> bool:
-        return any(plan.at_most(f) for f in self.failed) or any(plan.costlier(r.plan) for r in self.fitting)
+        """Weaker than a plan that does not fit; or only adding work to one that fits; or priced at least as high
+        (:meth:`~lightning_memkit.estimate.levers.plan.Plan.costs_at_least`) as one estimated beyond the tie band of
+        the cheapest fitting plan so far (it can neither be the cheapest nor tie with it: the cheapest only gets
+        cheaper)."""
+        if any(plan.at_most(f) for f in self.failed) or any(plan.costlier(r.plan) for r in self.fitting):
+            return True
+        if not self.fitting:
+            return False
+        band = (1 + min(r.overhead for r in self.fitting)) * (1 + TIE)
+        return any(1 + overhead > band and plan.costs_at_least(done) for done, overhead in self.overheads)
 
     def try_plan(self, plan: Plan, single_cost: StepCost | None = None) -> tuple[PlanResult, StepCost] | None:
         """Estimate ``plan`` unless a known result rules it out; file it as fitting or failed."""
@@ -195,6 +221,7 @@ class _Search:
         self.base_cost = self.base_cost or cost.seconds
         result = PlanResult(plan, est.peak_bytes, cost.seconds / self.base_cost - 1, self.fits(est), self.run,
                             getattr(est, "host_bytes", 0))
+        self.overheads.append((plan, result.overhead))
         if result.fits:
             self.fitting.append(result)
         else:
@@ -217,12 +244,6 @@ class _Search:
 
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
-
-
-#: plans whose predicted step times are within this fraction of the cheapest one's are a tie: the step time model's
-#: own error on measured steps is of this order (``benchmarks/bench_step_time.py``), and a machine probe measured while
-#: busy moves their order by as much; among them the plan changing fewer levers ranks first
-TIE = 0.05
 
 
 def _ranked(fitting: list[PlanResult], base: Plan) -> list[PlanResult]:
@@ -252,10 +273,12 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     Plans whose predicted step times are within :data:`TIE` (5%) of the cheapest rank by the levers they change,
     fewer first: the ranking does not flip on a machine probe's noise between plans the model cannot tell apart.
     The run as given and the strongest plan come first (if that one does not fit, no single-device plan does);
-    when only the strongest fits, it is probed with each axis one step weaker (a probe that does not fit rules
-    out that face of the plans); then the rest, least added work first, skipping a plan weaker than one that
-    does not fit, or one that only adds work to one that fits. The cheapest fitting plan is always found (plan
-    1); the others listed are fitting plans found on the way, cheapest first.
+    when only the strongest fits and the budget is below the geometric mean of its peak and the run as given's, it
+    is probed with each axis one step weaker (a probe that does not fit rules out that face of the plans); then
+    the rest, least added work first,
+    skipping a plan weaker than one that does not fit, or one that only adds work to one that fits or costs at
+    least as much as one estimated beyond the tie band of the cheapest fitting so far. The cheapest fitting plan
+    is always found (plan 1); the others listed are fitting plans found on the way, cheapest first.
 
     Args:
         run: a :class:`~lightning_memkit.estimate.runs.Run` (:class:`~lightning_memkit.estimate.hf_run.HFRun`,
@@ -301,7 +324,7 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     open_tops = [(top, found) for top, found in tried if found is None or found[0].fits]
     if open_tops:
         top, strongest = open_tops[0]
-        probes = _probes(top, ordered) if strongest is not None and not base.fits else []
+        probes = _probes(top, ordered) if _tight(strongest, base, budget_bytes, margin) else []
         rest = [p for p in ordered if p not in tops and p not in probes]
         search.queue = [*probes, *rest]
         for plan in [*probes, *rest]:

@@ -29,8 +29,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 class PretrainedCausalLM(CausalLMSteps, pl.LightningModule):
     """``AutoModelForCausalLM.from_pretrained(model, dtype=..., attn_implementation=...)`` as a LightningModule.
 
-    Inside an estimate (on fake tensors: ``memkit estimate --config``) the model is built from its config in
-    ``dtype`` and no weight is read.
+    The model trains in training mode, its config's dropout on, as transformers' ``Trainer`` trains it
+    (``from_pretrained`` returns it in eval mode, and Lightning does not change a module's mode). Inside an estimate
+    (on fake tensors: ``memkit estimate --config``) the model is built from its config in ``dtype`` and no weight
+    is read.
 
     Args:
         model: a local directory written by ``save_pretrained`` or a hub name (read from the local cache; nothing
@@ -77,6 +79,8 @@ class PretrainedCausalLM(CausalLMSteps, pl.LightningModule):
                 self.model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
         except OSError as err:
             raise ValueError(f"{owner}(model={model!r}): cannot load it: {err}") from None
+        # from_pretrained leaves the model in eval mode, which Lightning keeps: its dropout would be off in training
+        self.model.train()
         if lora is not None:
             from peft import get_peft_model
 

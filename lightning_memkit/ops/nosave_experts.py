@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memkit.common.validation import check_bool, check_choice, check_int
+from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
 from lightning_memkit.ops.nosave_matmul import (
     FLOAT_DTYPES,
     NoSave4bitLinearFunction,
@@ -139,7 +141,8 @@ class QuantizedExperts(nn.Module):
         """Quantize a dense ``(E, out, in)`` tensor (``transposed=True``: ``(E, in, out)``), expert by expert.
 
         The result lives on ``weight``'s device; ``weight`` is not modified. Only one expert's float32 copy
-        exists at a time besides the packed result.
+        exists at a time besides the packed result. On fake tensors (an estimate) the first expert's quantization
+        stands for every one's (:mod:`~lightning_memkit.measure.fake_repeat`: the same storages come and go).
         """
         check_expert_weight(weight)
         check_bool(transposed, "transposed", owner=_OWNER)
@@ -147,16 +150,17 @@ class QuantizedExperts(nn.Module):
         out_f, in_f = (cols, rows) if transposed else (rows, cols)
         experts = cls(e, in_f, out_f, mode, compute_dtype=compute_dtype, blocksize=blocksize, device=weight.device)
         with torch.no_grad():
-            for i in range(e):
+            for i, count in alike_runs(e, 1, not torch.compiler.is_compiling() and is_fake(weight)):
                 w = weight[i].t() if transposed else weight[i]
-                experts._store(i, w.detach().to(torch.float32).contiguous())
+                with stands_for(count):
+                    experts._store(i, w.detach().to(torch.float32).contiguous())
         return experts
 
     def _store(self, i: int, w: torch.Tensor) -> None:
         functional = import_bitsandbytes().functional
         if self.mode == "int8":  # from float16, as bitsandbytes' and Lightning's int8 layers (CUDA accepts no other)
             w16 = w.to(torch.float16)
-            if not torch.isfinite(w16).all():
+            if not is_fake(w16) and not torch.isfinite(w16).all():  # an estimate knows no values
                 raise ValueError(f"{_OWNER}: expert {i} has values beyond float16's range (max |w| = "
                                  f"{w.abs().max().item():.4g}); int8 quantizes a float16 copy")
             cb, scb, _ = functional.int8_vectorwise_quant(w16)

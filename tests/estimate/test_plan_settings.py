@@ -142,6 +142,43 @@ def test_the_search_finds_the_cheapest_fitting_plan_with_fewer_estimates(budget:
         assert result.estimated <= len(list(run.axes())) // 2
 
 
+def test_the_strongest_plan_is_probed_only_under_a_tight_budget() -> None:
+    """Right after the strongest plan (peak 13; the run as given: 110, their geometric mean 38), a budget of 25
+    probes it one axis weaker; at 90 a probe would fit and rule nothing out, and the search goes on with the least
+    added work."""
+    from lightning_memkit.estimate.plans import _probes
+
+    run = _Lattice()
+    top = Plan(recompute="full", fused_loss=True, micro_batch=1)
+    probes = {p.describe(run.base) for p in _probes(top, [p for p in run.axes() if p != run.base])}
+    for budget, probed in ((25, True), (90, False)):
+        lines: list[str] = []
+        search_plans(run, budget, margin=0.0, machine=BALANCE, progress=lines.append)
+        tried = [line.split(": ", 1)[1].split(" (")[0] for line in lines]
+        assert tried[1] == top.describe(run.base)
+        assert (tried[2] in probes) is probed, (budget, tried)
+
+
+@pytest.mark.parametrize("budget", [25, 90])
+def test_plans_priced_above_one_beyond_the_tie_band_are_not_estimated(budget: int, monkeypatch) -> None:
+    """A plan priced at least as high as one already estimated beyond the tie band of the cheapest fitting plan can
+    be neither the cheapest nor tied with it: skipped, the same plan chosen with fewer estimates."""
+    with_rule = search_plans(_Lattice(), budget, margin=0.0, machine=BALANCE)
+    monkeypatch.setattr(Plan, "costs_at_least", lambda self, other: False)
+    without = search_plans(_Lattice(), budget, margin=0.0, machine=BALANCE)
+    assert with_rule.fitting[0].plan == without.fitting[0].plan
+    assert with_rule.estimated < without.estimated
+
+
+def test_costs_at_least_reads_work_up_reorders_down_and_the_rest_alike() -> None:
+    base = Plan(micro_batch=8, optimizer_in_backward=True)
+    assert base.replace(recompute="full").costs_at_least(base)  # more work
+    assert base.replace(optimizer_in_backward=False).costs_at_least(base)  # the same ops, in Lightning's order
+    assert not base.costs_at_least(base.replace(recompute="full"))
+    assert not base.replace(fused_loss=True).costs_at_least(base)  # the fused loss may cost more or less
+    assert not base.costs_at_least(base.replace(fused_loss=True))
+
+
 def test_keep_base_stops_at_a_run_that_fits_as_given() -> None:
     """``MemoryBudget``'s search: a run that fits as given is the answer after one estimate, nothing ranked;
     ``memkit estimate --budget`` (without it) searches on for plans cheaper than the run as given."""
@@ -155,7 +192,8 @@ def test_keep_base_stops_at_a_run_that_fits_as_given() -> None:
 
 class _TwoWays(_Run):
     """Two plans that fit 80 within 5% of each other's predicted step time: the fused loss (fewer FLOPs, more bytes
-    per step) and micro-batches of 4 (more FLOPs, fewer bytes); which is cheaper depends on the balance."""
+    per step) and micro-batches of 4 (the run's FLOPs and bytes, as the step time model prices a split: no less than
+    the run as given); which is cheaper depends on the balance."""
 
     def axes(self):
         yield self.base
@@ -164,9 +202,9 @@ class _TwoWays(_Run):
 
     def estimate(self, plan: Plan) -> _Estimate:
         if plan["fused_loss"]:
-            return _Estimate(70, 1000, 100)
+            return _Estimate(70, 900, 255)
         if plan["micro_batch"] == 4:
-            return _Estimate(60, 450, 76)  # per micro-batch: twice per step
+            return _Estimate(60, 500, 100)  # per micro-batch: twice per step
         return _Estimate(100, 1000, 200)
 
 

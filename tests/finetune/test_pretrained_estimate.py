@@ -73,3 +73,46 @@ def test_a_full_fine_tune_of_bf16_weights_counts_them_in_bf16(config, tmp_path):
     assert est.precision == "32-true (bfloat16 weights)"
     assert est.trainable_parameters == est.parameters
     assert 2 * est.parameters <= est.phases[0].peak_bytes <= 2 * est.parameters + 1024
+
+
+@pytest.mark.parametrize("dropout", [0.1])
+def test_a_model_with_dropout_estimates_within_5_percent(config, tmp_path, dropout):
+    """Attention dropout keeps its mask for backward: the estimate counts it as the measured run holds it."""
+    import yaml
+
+    from lightning_memkit.config.comparison import compare
+    from lightning_memkit.estimate.config import estimate_from_config
+
+    tiny_hf_causal_lm("llama", hidden_size=64, num_layers=2, vocab_size=320, seed=0,
+                      attention_dropout=dropout).save_pretrained(tmp_path / "m")
+    parsed = yaml.safe_load(config.read_text())
+    parsed["trainer"].pop("plugins")
+    parsed["model"]["init_args"] = {"model": str(tmp_path / "m"), "dtype": "float32"}
+    parsed["trainer"]["callbacks"] = [{"class_path": "lightning_memkit.callbacks.FusedLinearCrossEntropy"}]
+    # every record longer than max_length: each step's batch is the longest one, as the estimate plans on
+    rng = random.Random(1)
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(90))}) + "\n"
+                            for _ in range(16)))
+    parsed["data"]["init_args"]["path"] = str(data)
+    path = tmp_path / "dropout.yaml"
+    path.write_text(yaml.safe_dump(parsed))
+    est = estimate_from_config(path)
+    result = compare(path, steps=2, out_dir=tmp_path / "out")
+    rows = {r.phase: r for r in result.rows}
+    measured = max(rows["forward+backward"].memkit_bytes, rows["optimizer step"].memkit_bytes)
+    assert abs(est.peak_bytes / measured - 1) <= 0.05, (est.peak_bytes, measured)
+    return measured
+
+
+def test_a_pretrained_model_trains_with_its_dropout_on(config, tmp_path):
+    """from_pretrained returns the model in eval mode; PretrainedCausalLM trains it in training mode (dropout on, as
+    transformers' Trainer does): the dropout masks are measured, more bytes than the same model without dropout."""
+    from lightning_memkit.finetune import PretrainedCausalLM
+
+    tiny_hf_causal_lm("llama", seed=0, attention_dropout=0.1).save_pretrained(tmp_path / "m")
+    lm = PretrainedCausalLM(str(tmp_path / "m"), dtype="float32")
+    assert all(m.training for m in lm.modules())
+    with_dropout = test_a_model_with_dropout_estimates_within_5_percent(config, tmp_path / "a", 0.1)
+    without = test_a_model_with_dropout_estimates_within_5_percent(config, tmp_path / "b", 0.0)
+    assert with_dropout > without

@@ -133,6 +133,8 @@ class Lever:
             module for an estimate).
         default: the choice of a run that does not pull the lever.
         opt_in: whether a run that allows every lever (``memkit estimate``) leaves this one out unless named.
+        reorders_only: whether its choices run the same ops in another order (a ``"free"`` lever that never adds to
+            the step time model's cost: a plan without it costs at least as much as the same plan with it).
     """
 
     name = ""
@@ -142,6 +144,7 @@ class Lever:
     callback: str | None = None
     wraps_module = False
     opt_in = False
+    reorders_only = False
     default: Any = None
 
     def strength(self, choice: Any) -> int:

@@ -21,6 +21,7 @@ class OptimizerInBackwardLever(OptimizerStateLever):
     name, kind, keeps_math, refuses_accumulation = "optimizer_in_backward", "free", True, True
     callback = "lightning_memkit.callbacks.OptimizerInBackward"
     label = "optimizer step in backward"
+    reorders_only = True  # each parameter's step as soon as its gradient is complete: the same ops
 
     def wrap(self, factory: Any) -> Any:
         from lightning_memkit.optim.in_backward import in_backward

@@ -98,6 +98,17 @@ class Plan(Mapping[str, Any]):
         same = all(v == c for x, v, c in zip(LEVERS, self._values, cheaper._values, strict=True) if x.kind != "work")
         return self != cheaper and cheaper.at_most(self) and same
 
+    def costs_at_least(self, other: Plan) -> bool:
+        """Whether the step time model prices this plan at least as high as ``other``: every lever adding work
+        at least as strong, every lever that only reorders ops (``reorders_only``) at most as strong, the others
+        the same."""
+        def holds(x: Any, v: Any, o: Any) -> bool:
+            if x.kind == "work":
+                return x.strength(v) >= x.strength(o)
+            return x.strength(v) <= x.strength(o) if x.reorders_only else v == o
+
+        return all(holds(x, v, o) for x, v, o in zip(LEVERS, self._values, other._values, strict=True))
+
     def scale_cost(self, base: Plan, cost: Any, run: Any, est: Any = None, machine: Any = None) -> Any:
         """The step time model's cost of this plan from its fake step's ``cost`` (``est``, priced by ``machine``)."""
         for x, v, b in zip(LEVERS, self._values, base._values, strict=True):
