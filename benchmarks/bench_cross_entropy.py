@@ -37,7 +37,7 @@ from lightning_memkit.ops._head_numerics import native_half_matmul
 
 BASELINE = "F.linear_cross_entropy(options=LinearCrossEntropyOptions())"
 OURS = "memkit linear_cross_entropy"
-OURS_FP32 = "memkit linear_cross_entropy(logits_dtype=float32)"
+OURS_HEAD = "memkit linear_cross_entropy(logits_dtype='head')"
 CCE = "CCE linear_cross_entropy(impl=torch_compile)"
 CCE_CUDA = "CCE linear_cross_entropy(impl=cce)"
 
@@ -160,8 +160,8 @@ def _linear_impls(x, w, t, opts: dict, device: str, with_cce: bool) -> dict[str,
         if x.dtype != torch.float32:
             impls["memkit linear_cross_entropy(accum_dtype=float32)"] = (
                 lambda: linear_cross_entropy(x, w, t, accum_dtype=torch.float32))
-    elif x.dtype != torch.float32:  # the float32-logits numerics (CCE's) on CPU: fp32 GEMMs on upcast copies
-        impls[OURS_FP32] = lambda: linear_cross_entropy(x, w, t, logits_dtype=torch.float32, **opts)
+    elif x.dtype != torch.float32:  # transformers' numerics (the HF path's default), logits rounded to bf16
+        impls[OURS_HEAD] = lambda: linear_cross_entropy(x, w, t, logits_dtype="head", **opts)
     return impls
 
 
@@ -171,7 +171,7 @@ def _linear_goal(peaks, times, unavoidable, spec: dict, errors) -> tuple[str, bo
     Against torch's chunked path wherever it runs: overhead above ``dW + dx`` and time at most its own (time at most
     0.9x in the scalar-reduction cases that also race CCE; overhead at most 1/4 of its own in the narrow-head case).
     Against CCE in the scalar-reduction cases: at most its time, at most 1/4 of its overhead (bf16: at most 1.5x its
-    time, at most 1/2 of its overhead: ours computes transformers' numerics, recomputing the logits in backward).
+    time, at most 1/2 of its overhead: in half precision ours recomputes the logits in backward, as CCE does).
     bf16: fp64-oracle errors.
     """
     over = {k: p - unavoidable for k, p in peaks.items()}

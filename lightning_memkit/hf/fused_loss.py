@@ -92,7 +92,7 @@ def _bind(original, args: tuple, kwargs: dict) -> dict:
 
 #: ``logits_dtype`` of the fused HF loss: ``"head"`` rounds each logit to the head's dtype as transformers does,
 #: ``"float32"`` keeps the logits (and their gradient) in float32.
-LOGITS_DTYPES = {"head": None, "float32": torch.float32}
+LOGITS_DTYPES = {"head": "head", "float32": torch.float32}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,12 +2,14 @@
 
 Two numerics (``logits_dtype``):
 
-* the head's dtype (the default for bf16/fp16 heads): each logit is formed with fp32 accumulation and rounded
-  once to the head's dtype, ``softcap`` runs in that dtype (divide, ``tanh``, multiply, each rounded, as
-  transformers' Gemma models do), the loss is float32, and the gradient with respect to the logits is rounded to
-  the head's dtype before the head's backward products: what ``F.cross_entropy(F.linear(h, W).float(), t)``
-  computes (transformers' ``ForCausalLMLoss``, Liger-Kernel);
-* ``torch.float32``: the logits and their gradient stay float32 (Cut Cross-Entropy's numerics, more exact).
+* ``torch.float32`` (``"float32"``; the default of :func:`~lightning_memkit.ops.linear_cross_entropy`): the logits
+  and their gradient stay float32, bias, ``softcap`` and the log-sum-exp included (Cut Cross-Entropy's numerics;
+  Liger-Kernel also applies softcap and the log-sum-exp in float32);
+* ``"head"`` (or the inputs' dtype; the default of the transformers path): each logit is formed with fp32
+  accumulation and rounded once to the head's dtype, ``softcap`` runs in that dtype (divide, ``tanh``, multiply,
+  each rounded, as transformers' Gemma models do), the loss is float32, and the gradient with respect to the
+  logits is rounded to the head's dtype before the head's backward products: what
+  ``F.cross_entropy(F.linear(h, W).float(), t)`` computes (transformers' ``ForCausalLMLoss``).
 
 Example::
 
@@ -52,14 +54,15 @@ def native_half_matmul(dtype: torch.dtype) -> bool:
 
 
 def check_logits_dtype(logits_dtype, input_dtype: torch.dtype, owner: str) -> torch.dtype | None:
-    """The dtype the logits are rounded to (``None``: kept in float32) for ``logits_dtype`` and the inputs' dtype."""
-    allowed = (None, torch.float32, input_dtype)
-    if logits_dtype not in allowed:
-        raise ValueError(f"{owner}: logits_dtype must be None (the inputs' dtype, {input_dtype}), torch.float32 or "
-                         f"{input_dtype}, got {logits_dtype!r}")
-    if input_dtype not in HALF or logits_dtype == torch.float32:
+    """The dtype the logits are rounded to (``None``: kept in float32) for ``logits_dtype`` (module doc) and the
+    inputs' dtype; anything else is refused in one line naming the accepted values."""
+    if logits_dtype in (torch.float32, "float32"):
         return None
-    return input_dtype
+    if logits_dtype == "head" or logits_dtype == input_dtype:
+        return input_dtype if input_dtype in HALF else None
+    raise ValueError(f"{owner}: logits_dtype must be torch.float32 or 'float32' (float32 logits, the default) or "
+                     f"'head' (or the inputs' dtype, {input_dtype}: each logit rounded to the head's dtype, as "
+                     f"transformers computes them), got {logits_dtype!r}")
 
 
 def head_softcap(z: torch.Tensor, cap: float, keep: torch.Tensor) -> None:

@@ -599,7 +599,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     class_weights: torch.Tensor | None = None,
     shift: int | bool = 0,
-    logits_dtype: torch.dtype | None = None,
+    logits_dtype: torch.dtype | str = torch.float32,
     return_lse: bool = False,
     return_accuracy: bool = False,
     chunk_size: int | str = "auto",
@@ -623,11 +623,12 @@ def linear_cross_entropy(
         shift: ``k > 0`` (or ``True``: 1) predicts ``target[..., i + k]`` from ``hidden[..., i, :]`` along the
             last dimension of ``target`` (causal LM training on unshifted labels, Cut Cross-Entropy's ``shift``);
             the last ``k`` positions take no loss, and per-token outputs have ``k`` fewer positions.
-        logits_dtype: ``None`` (default) or the inputs' dtype: for bf16/fp16 inputs each logit is rounded to
-            that dtype (softcap applied in it) and its gradient rounded to it before the head's backward
-            products, as ``F.cross_entropy(F.linear(hidden, weight).float(), target)`` (transformers,
-            Liger-Kernel); ``torch.float32`` keeps logits and their gradient in float32 (Cut Cross-Entropy's
-            numerics). Same result for float32 inputs.
+        logits_dtype: ``torch.float32`` (default, or ``"float32"``): the logits and their gradient stay float32,
+            bias, ``softcap`` and the log-sum-exp included (Cut Cross-Entropy's numerics; Liger-Kernel's softcap
+            and log-sum-exp too); ``"head"`` (or the inputs' dtype): for bf16/fp16 inputs each logit is rounded
+            to that dtype (softcap applied in it) and its gradient rounded to it before the head's backward
+            products, as ``F.cross_entropy(F.linear(hidden, weight).float(), target)`` (transformers, the
+            default of :func:`~lightning_memkit.hf.fused_linear_cross_entropy`). Same result for float32 inputs.
         return_lse: also return each token's log-sum-exp (float32, ``target``'s shape, 0 where ignored),
             differentiable (for a custom z-loss; its gradient costs one more pass over the chunks, and
             ``hidden`` is kept for it).

@@ -20,8 +20,10 @@ Example::
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from lightning_memkit.ops._head_numerics import HALF, check_logits_dtype
 from lightning_memkit.ops.cross_entropy import cross_entropy
 from lightning_memkit.ops.linear_cross_entropy import linear_cross_entropy
 
@@ -47,7 +49,9 @@ def lm_head_loss(
             materialized); ``False`` applies the head and :func:`~lightning_memkit.ops.cross_entropy`.
         options: forwarded to the chosen op (``ignore_index``, ``label_smoothing``, ``z_loss``,
             ``softcap``, ``reduction``, ...; ``chunk_size``, ``chunk_bytes`` and ``accum_dtype`` need
-            ``fused=True``).
+            ``fused=True``). ``logits_dtype`` applies to both: ``torch.float32`` (default) forms the logits,
+            bias and ``softcap`` in float32 (with ``fused=False`` from float32 copies of the head), ``"head"``
+            in the head's dtype (:func:`~lightning_memkit.ops.linear_cross_entropy`).
     """
     if not isinstance(lm_head, nn.Linear):
         raise TypeError(
@@ -61,4 +65,8 @@ def lm_head_loss(
     extra = [k for k in _FUSED_ONLY if k in options]
     if extra:
         raise ValueError(f"{', '.join(extra)} only apply with fused=True")
-    return cross_entropy(lm_head(hidden), targets, **options)
+    rounded = check_logits_dtype(options.pop("logits_dtype", torch.float32), hidden.dtype, "lm_head_loss")
+    if rounded is not None or hidden.dtype not in HALF:  # the head's numerics, or no half dtype to leave
+        return cross_entropy(lm_head(hidden), targets, **options)
+    bias = None if lm_head.bias is None else lm_head.bias.float()
+    return cross_entropy(F.linear(hidden.float(), lm_head.weight.float(), bias), targets, **options)

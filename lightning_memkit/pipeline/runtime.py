@@ -254,7 +254,8 @@ class LayerChain(nn.Sequential):
 
 
 def fused_head_loss(head: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``loss(hidden, target)``: cross-entropy of ``head(hidden)`` by ``lightning_memkit.ops.linear_cross_entropy``."""
+    """``loss(hidden, target)``: cross-entropy of ``head(hidden)`` by ``lightning_memkit.ops.linear_cross_entropy``,
+    in the head's numerics (``logits_dtype="head"``), as the loss on the head's output that it replaces."""
     try:
         from lightning_memkit.ops import linear_cross_entropy
     except ImportError as err:  # pragma: no cover - depends on the installed package
@@ -268,7 +269,7 @@ def fused_head_loss(head: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor], t
                 "fused_loss=True needs the layer before the head to return one tensor (the hidden states), got "
                 f"{type(hidden).__name__}"
             )
-        return linear_cross_entropy(hidden, head.weight, target, bias=head.bias)
+        return linear_cross_entropy(hidden, head.weight, target, bias=head.bias, logits_dtype="head")
 
     return loss
 

@@ -149,8 +149,9 @@ def _transformers_reference(x, w, t, b=None, softcap=None):
 @pytest.mark.parametrize("native", [True, False], ids=["native_bf16_gemm", "fp32_gemm_rounded"])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_default_computes_what_transformers_computes(monkeypatch, native, softcap, bias):
-    """Both CPU paths, on any CPU (bf16 GEMMs without matrix units are emulated: slow, the same numbers)."""
+def test_bf16_head_numerics_compute_what_transformers_computes(monkeypatch, native, softcap, bias):
+    """``logits_dtype="head"`` (the transformers path's default), both CPU paths, on any CPU (bf16 GEMMs without
+    matrix units are emulated: slow, the same numbers)."""
     import sys
 
     monkeypatch.setattr(sys.modules["lightning_memkit.ops.linear_cross_entropy"], "native_half_matmul",
@@ -160,7 +161,7 @@ def test_bf16_default_computes_what_transformers_computes(monkeypatch, native, s
     ref = _transformers_reference(x, w, t, b, softcap)
     xs, ws = _leaves(x, w)
     bs = None if b is None else b.clone().requires_grad_()
-    loss = linear_cross_entropy(xs, ws, t, bias=bs, softcap=softcap, chunk_size=16)
+    loss = linear_cross_entropy(xs, ws, t, bias=bs, softcap=softcap, chunk_size=16, logits_dtype="head")
     loss.backward()
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, ref[0], rtol=2e-6, atol=2e-6)  # float32 rounding
@@ -171,18 +172,19 @@ def test_bf16_default_computes_what_transformers_computes(monkeypatch, native, s
             torch.testing.assert_close(ours.float(), theirs.float(), rtol=1.6e-2, atol=1e-3, msg=name)
 
 
-def test_float32_logits_are_closer_to_the_fp64_oracle_than_the_rounded_ones():
+def test_the_default_float32_logits_are_closer_to_the_fp64_oracle_than_the_rounded_ones():
     x, w, t = _inputs(torch.bfloat16, n=256, v=2000)
     oracle = F.cross_entropy(x.double() @ w.double().T, t)
-    rounded = linear_cross_entropy(x, w, t)
-    exact = linear_cross_entropy(x, w, t, logits_dtype=torch.float32)
-    same = linear_cross_entropy(x, w, t, logits_dtype=torch.bfloat16)
-    assert torch.equal(same, rounded)
+    exact = linear_cross_entropy(x, w, t)
+    rounded = linear_cross_entropy(x, w, t, logits_dtype="head")
+    assert torch.equal(exact, linear_cross_entropy(x, w, t, logits_dtype="float32"))
+    assert torch.equal(rounded, linear_cross_entropy(x, w, t, logits_dtype=torch.bfloat16))  # the inputs' dtype
     assert abs(exact.double() - oracle) < 1e-5 < abs(rounded.double() - oracle) < 1e-2
-    with pytest.raises(ValueError, match="logits_dtype must be None"):
-        linear_cross_entropy(x, w, t, logits_dtype=torch.float16)
+    for bad in (torch.float16, None, "bf16"):
+        with pytest.raises(ValueError, match="logits_dtype must be torch.float32 or 'float32'.*'head'"):
+            linear_cross_entropy(x, w, t, logits_dtype=bad)
     x32, w32 = x.float(), w.float()
-    assert torch.equal(linear_cross_entropy(x32, w32, t), linear_cross_entropy(x32, w32, t, logits_dtype=torch.float32))
+    assert torch.equal(linear_cross_entropy(x32, w32, t), linear_cross_entropy(x32, w32, t, logits_dtype="head"))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -190,7 +192,7 @@ def test_bf16_second_backward_recomputes_the_same_gradients(reduction):
     """A second backward (retain_graph, ``reduction="none"``) recomputes every slice and gives the same gradients."""
     x, w, t = _inputs(torch.bfloat16, n=50, v=301)
     xs, ws = _leaves(x, w)
-    loss = linear_cross_entropy(xs, ws, t, reduction=reduction, chunk_size=16)
+    loss = linear_cross_entropy(xs, ws, t, reduction=reduction, chunk_size=16, logits_dtype="head")
     loss.sum().backward(retain_graph=reduction == "none")
     first = xs.grad.clone(), ws.grad.clone()
     if reduction == "none":

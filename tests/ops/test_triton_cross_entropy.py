@@ -91,7 +91,7 @@ def test_interpreted_linear_cross_entropy(small_blocks, dtype, reduction):
 
 @interpreted
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_interpreted_bf16_default_computes_what_transformers_computes(small_blocks, softcap):
+def test_interpreted_bf16_head_numerics_compute_what_transformers_computes(small_blocks, softcap):
     """bf16 logits (the default): the kernel path gives transformers' loss to float32 rounding and its gradients to
     one bf16 rounding, softcap in bf16 (Gemma's order) included."""
     n, h, v = 13, 8, 150
@@ -104,7 +104,8 @@ def test_interpreted_bf16_default_computes_what_transformers_computes(small_bloc
     ref = torch.nn.functional.cross_entropy(z.float(), target)
     ref.backward()
     ours_leaves = [t.clone().requires_grad_() for t in (x, w)]
-    ours = linear_cross_entropy(*ours_leaves, target, softcap=softcap, chunk_size=13, backend="triton")
+    ours = linear_cross_entropy(*ours_leaves, target, softcap=softcap, chunk_size=13, backend="triton",
+                                logits_dtype="head")
     ours.backward()
     torch.testing.assert_close(ours, ref, rtol=2e-6, atol=2e-6)
     for name, o, r in zip(("dx", "dW"), ours_leaves, ref_leaves):

@@ -1,6 +1,6 @@
 """The half path's backward over slices of the vocabulary (``ops/_vocab_backward.py``): bf16 GEMMs in the head's
-dtype, ``dW`` written once per slice, ``dx`` accumulated in float32. Forced on any CPU (without bf16 matrix units
-the GEMMs are emulated: slower, the same numbers)."""
+dtype, ``dW`` written once per slice, ``dx`` accumulated in float32 (``logits_dtype="head"``). Forced on any CPU
+(without bf16 matrix units the GEMMs are emulated: slower, the same numbers)."""
 
 import sys
 
@@ -78,7 +78,7 @@ def test_many_slices_give_the_unfused_heads_loss_and_gradients(name, reduction):
     runs = []
     for chunk in (5, N):  # 13 slices, then one slice holding the vocabulary
         lx, lw, lb = _leaves(x, w, b)
-        loss = linear_cross_entropy(lx, lw, t, bias=lb, chunk_size=chunk, **kw)
+        loss = linear_cross_entropy(lx, lw, t, bias=lb, chunk_size=chunk, **kw, logits_dtype="head")
         loss.backward(grad_out)
         runs.append((loss.detach(), lx.grad, lw.grad, None if lb is None else lb.grad))
     for loss, dx, dw, db in runs:
@@ -98,7 +98,7 @@ def test_ignored_rows_get_no_gradient_and_a_bad_target_poisons_only_its_row():
     x, w, t, _ = _inputs()
     t[3], t[10] = -100, V + 5  # ignored; out of range (not validated)
     lx, lw = _leaves(x, w)
-    loss = linear_cross_entropy(lx, lw, t, reduction="none", validate=False, chunk_size=5)
+    loss = linear_cross_entropy(lx, lw, t, reduction="none", validate=False, chunk_size=5, logits_dtype="head")
     loss.sum().backward()
     assert torch.all(lx.grad[3] == 0) and loss[3] == 0
     assert torch.isnan(loss[10]) and torch.isnan(lx.grad[10]).all()
@@ -126,7 +126,7 @@ def _step(fake: bool, counter, reduction="mean", softcap=None) -> int:
         x = torch.zeros(n, h, dtype=torch.bfloat16, requires_grad=True)
         w = torch.zeros(v, h, dtype=torch.bfloat16, requires_grad=True)
         loss = linear_cross_entropy(x, w, torch.zeros(n, dtype=torch.long), reduction=reduction, chunk_bytes=432_000,
-                                    softcap=softcap)
+                                    logits_dtype="head", softcap=softcap)
         loss.sum().backward()
     return lp.peak_bytes
 
@@ -151,7 +151,7 @@ def test_backward_holds_one_slice_one_block_and_the_dx_accumulator_beyond_the_gr
     lx, lw = _leaves(x, w)
     budget = 300_000
     plan = chunk_plan(lx, lw, n, CrossEntropyOptions(), "torch", "auto", budget, round_to=torch.bfloat16)
-    loss = linear_cross_entropy(lx, lw, t, chunk_bytes=budget)
+    loss = linear_cross_entropy(lx, lw, t, chunk_bytes=budget, logits_dtype="head")
     with LivePeak() as lp:
         loss.backward()
     grads = lw.numel() * 2 + lx.numel() * 2
