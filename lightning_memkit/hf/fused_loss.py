@@ -120,8 +120,6 @@ def _lm_loss(model, hidden, labels, params, settings: _Settings) -> tuple[torch.
     loss, accuracy = out if settings.token_accuracy else (out, None)
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
-        if accuracy is not None:  # a count under "sum": the fraction of the kept labels
-            accuracy = accuracy / (shift_labels != ignore_index).sum().to(accuracy.device)
     return loss, accuracy
 
 

@@ -113,6 +113,8 @@ class _Setup(NamedTuple):
     class_weights: torch.Tensor | None
     keep_inputs: bool  # return_lse: the inputs are saved for the log-sum-exp's gradient
     accuracy: bool  # return_accuracy: each token's argmax compared with its target
+    z_out: bool = False  # return_z_loss: the log-sum-exp handed out (not differentiable) for the z-loss's value
+    predicted: bool = False  # return_predicted_tokens: each token's argmax kept
 
 
 class _Chunker:
@@ -368,14 +370,19 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         correct = torch.empty(n if setup.accuracy else 0, dtype=torch.bool, device=x.device)
+        predicted = torch.empty(n if setup.predicted else 0, dtype=torch.long, device=x.device)
         dx, dw, db = _buffers(x, weight, bias, setup.accum_dtype, need) if in_forward else (None, None, None)
         # fake tensors (an estimate): the chunks of full rows are alike, one stands for them all (fake_repeat)
         for a, count in alike_runs(n, setup.plan.rows, is_fake(x)):
             b = min(a + setup.plan.rows, n)
             with stands_for(count):
                 z = ch.logits(a, b)
-                if setup.accuracy:  # the logits as the loss sees them, before the rows' math overwrites them
-                    correct[a:b] = z.argmax(1) == t[a:b]
+                if setup.accuracy or setup.predicted:  # the logits as the loss sees them, before the rows' math
+                    top = z.argmax(1)
+                    if setup.accuracy:
+                        correct[a:b] = top == t[a:b]
+                    if setup.predicted:
+                        predicted[a:b] = top
                 loss_c, lse_c = ch.loss_and_grad(z, a, b, grad_scale=base if in_forward else None)
                 loss_rows[a:b] = loss_c
                 lse[a:b] = lse_c
@@ -385,6 +392,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         valid = t != o.ignore_index
         if setup.accuracy:
             correct &= valid
+        if setup.predicted:
+            predicted = torch.where(valid, predicted, -1).reshape(target.shape)
         ctx.setup, ctx.in_forward, ctx.need, ctx.hidden_shape = setup, in_forward, need, hidden.shape
         ctx.weights, ctx.base = weights, base
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
@@ -392,17 +401,18 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         if any(need) and (not in_forward or setup.keep_inputs):
             ctx.save_for_backward(x, weight, bias, t, lse)
         ctx.set_materialize_grads(False)
-        if setup.keep_inputs:
+        if setup.keep_inputs or setup.z_out:
             lse_out = torch.where(valid, lse, 0.0).reshape(target.shape)
         else:
             lse_out = lse.new_empty(0)
+        if not setup.keep_inputs:
             ctx.mark_non_differentiable(lse_out)
-        ctx.mark_non_differentiable(correct)
-        return reduce_loss(loss_rows, o, denom, target.shape, loss_dtype), lse_out, correct
+        ctx.mark_non_differentiable(correct, predicted)
+        return reduce_loss(loss_rows, o, denom, target.shape, loss_dtype), lse_out, correct, predicted
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, grad_lse, _grad_correct):
+    def backward(ctx, grad_out, grad_lse, _grad_correct, _grad_predicted):
         if ctx.in_forward:
             grads = _forward_grads(ctx, grad_out)
         else:
@@ -572,13 +582,12 @@ def _check_shift(shift) -> int:
 
 
 def _accuracy(correct: torch.Tensor, target: torch.Tensor, o: CrossEntropyOptions) -> torch.Tensor:
-    """Token accuracy of the argmax against ``target`` in the loss's reduction (ignored tokens left out)."""
+    """Token accuracy of the argmax against ``target``: 0/1 per token for ``"none"``, else the fraction of the kept
+    tokens (Liger-Kernel's, under ``"sum"`` too; 0 when every token is ignored)."""
     if o.reduction == "none":
         return correct.reshape(target.shape).to(torch.float32)
-    hits = correct.sum().to(torch.float32)
-    if o.reduction == "sum":
-        return hits
-    return hits / (target != o.ignore_index).sum().to(torch.float32)
+    kept = (target != o.ignore_index).sum().clamp_min(1)
+    return correct.sum().to(torch.float32) / kept.to(torch.float32)
 
 
 def _trim(t: torch.Tensor, shift: int) -> torch.Tensor:
@@ -602,6 +611,8 @@ def linear_cross_entropy(
     logits_dtype: torch.dtype | str = torch.float32,
     return_lse: bool = False,
     return_accuracy: bool = False,
+    return_z_loss: bool = False,
+    return_predicted_tokens: bool = False,
     chunk_size: int | str = "auto",
     chunk_bytes: int | None = None,
     accum_dtype: torch.dtype | None = None,
@@ -633,8 +644,14 @@ def linear_cross_entropy(
             differentiable (for a custom z-loss; its gradient costs one more pass over the chunks, and
             ``hidden`` is kept for it).
         return_accuracy: also return the token accuracy, the argmax of the logits against ``target`` over the
-            kept tokens, in the loss's reduction (a fraction for ``"mean"``, a count for ``"sum"``, 0/1 per token
-            for ``"none"``), computed chunk by chunk (no logits), not differentiable.
+            kept tokens: the fraction of them for ``"mean"`` and ``"sum"`` (Liger-Kernel's), 0/1 per token for
+            ``"none"``; computed chunk by chunk (no logits), not differentiable.
+        return_z_loss: also return the z-loss term the loss includes, ``z_loss * lse**2`` per kept token, reduced
+            as the loss reduces it (``"mean"``: over the kept tokens' count, unweighted), float32, not
+            differentiable (Liger-Kernel's ``return_z_loss``: for logging; it is already in the loss).
+        return_predicted_tokens: also return each token's argmax class (``target``'s shape less ``shift``, int64,
+            -1 where the target is ignored), computed chunk by chunk (no logits), not differentiable
+            (Liger-Kernel's ``return_predicted_tokens``).
         chunk_size: tokens per chunk, or ``"auto"``: as many tokens as the chunk budget holds in
             buffers (fp32 logits; twice that with ``softcap`` on the PyTorch path).
         chunk_bytes: the chunk budget in bytes. ``None`` (default): a fifth of the bytes of
@@ -649,8 +666,10 @@ def linear_cross_entropy(
             fp32 accumulator, cast at the end. ``db`` always accumulates in fp32.
 
     Returns the loss, float32 for half inputs (the peers' dtype; at least the inputs' and ``accum_dtype``'s
-    precision otherwise); with ``return_lse`` and/or ``return_accuracy`` the tuple ``(loss, lse)``,
-    ``(loss, accuracy)`` or ``(loss, lse, accuracy)``. The gradients keep the inputs' dtypes.
+    precision otherwise); with ``return_lse``, ``return_accuracy``, ``return_z_loss`` and/or
+    ``return_predicted_tokens`` the tuple of the loss and those asked, in that order (``(loss, lse)``,
+    ``(loss, accuracy, z_loss)``, ...). The gradients keep the
+    inputs' dtypes.
     Under ``torch.autocast`` the inputs are cast to the autocast dtype first, like ``F.linear``.
     With ``reduction="mean"``/``"sum"`` the graph can be differentiated once (gradients are built in
     forward); ``reduction="none"`` recomputes in backward and supports ``retain_graph``.
@@ -676,6 +695,8 @@ def linear_cross_entropy(
     shift = _check_shift(shift)
     check_bool(return_lse, "return_lse", owner="linear_cross_entropy")
     check_bool(return_accuracy, "return_accuracy", owner="linear_cross_entropy")
+    check_bool(return_z_loss, "return_z_loss", owner="linear_cross_entropy")
+    check_bool(return_predicted_tokens, "return_predicted_tokens", owner="linear_cross_entropy")
     dev_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
     if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(dev_type):
         dt = torch.get_autocast_dtype(dev_type)
@@ -693,9 +714,10 @@ def linear_cross_entropy(
     loss_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32 for half inputs, as the peers return
     if accum_dtype is not None:
         loss_dtype = torch.promote_types(loss_dtype, accum_dtype)
-    setup = _Setup(o, impl, plan, accum, round_to, class_weights, return_lse, return_accuracy)
+    setup = _Setup(o, impl, plan, accum, round_to, class_weights, return_lse, return_accuracy, return_z_loss,
+                   return_predicted_tokens)
     with torch.autocast(dev_type, enabled=False):
-        loss, lse, correct = _LinearCrossEntropyFunction.apply(
+        loss, lse, correct, predicted = _LinearCrossEntropyFunction.apply(
             hidden, weight, bias, target, setup, torch.is_grad_enabled(), loss_dtype
         )
     if reduction == "none":
@@ -704,4 +726,18 @@ def linear_cross_entropy(
     if return_accuracy:
         extras.append(_trim(_accuracy(correct, target, o), shift) if reduction == "none"
                       else _accuracy(correct, target, o))
+    if return_z_loss:
+        extras.append(_z_loss_term(lse.detach(), target, o, shift))
+    if return_predicted_tokens:
+        extras.append(_trim(predicted, shift))
     return (loss, *extras) if extras else loss
+
+
+def _z_loss_term(lse: torch.Tensor, target: torch.Tensor, o: CrossEntropyOptions, shift: int) -> torch.Tensor:
+    """The z-loss the loss includes (``lse`` is 0 at ignored tokens), reduced as the loss: unweighted, the mean over
+    the kept tokens' count."""
+    rows = o.z_loss * lse.square()
+    if o.reduction == "none":
+        return _trim(rows, shift)
+    total = rows.sum()
+    return total if o.reduction == "sum" else total / (target != o.ignore_index).sum().clamp_min(1)

@@ -102,10 +102,12 @@ def test_token_accuracy_is_the_argmax_of_the_logits_over_kept_tokens(reduction, 
     hits = ((x @ w.T).argmax(-1) == t) & valid
     loss, acc = linear_cross_entropy(x, w, t, reduction=reduction, softcap=softcap, return_accuracy=True,
                                      chunk_size=8)
-    expected = {"mean": hits.sum() / valid.sum(), "sum": hits.sum().float(), "none": hits.float()}[reduction]
+    expected = {"mean": hits.sum() / valid.sum(), "sum": hits.sum() / valid.sum(), "none": hits.float()}[reduction]
     assert acc.dtype == torch.float32 and not acc.requires_grad
     torch.testing.assert_close(acc, expected.float())
     assert 12 <= hits.sum() < valid.sum()
+    every = torch.full_like(t, -100)
+    assert float(linear_cross_entropy(x, w, every, reduction=reduction, return_accuracy=True)[1].sum()) == 0.0
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -202,3 +204,46 @@ def test_bf16_second_backward_recomputes_the_same_gradients(reduction):
     ref = _transformers_reference(x, w, t) if reduction == "mean" else None
     if ref is not None:
         torch.testing.assert_close(first[0].float(), ref[1].float(), rtol=1.6e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_z_loss_is_returned_as_the_term_the_loss_includes(reduction, weighted):
+    """``return_z_loss``: ``z_loss * lse**2`` per kept token, reduced as the loss (unweighted, over the kept count), the
+    same as a float64 reference and as the loss with the z-loss minus the loss without it."""
+    x, w, t = _inputs()
+    weights = torch.rand(w.shape[0]) + 0.5 if weighted else None
+    loss, z = linear_cross_entropy(x, w, t, z_loss=1e-2, reduction=reduction, class_weights=weights,
+                                   return_z_loss=True, chunk_size=8)
+    plain = linear_cross_entropy(x, w, t, reduction=reduction, class_weights=weights, chunk_size=8)
+    valid = t != -100
+    rows = torch.where(valid, 1e-2 * torch.logsumexp(x.double() @ w.double().T, -1) ** 2, 0.0)
+    expected = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / valid.sum()}[reduction]
+    assert z.dtype == torch.float32 and not z.requires_grad
+    torch.testing.assert_close(z.double(), expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss - plain, z, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="return_z_loss"):
+        linear_cross_entropy(x, w, t, return_z_loss=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shift", [0, 1])
+def test_predicted_tokens_are_the_argmax_per_token_and_minus_one_where_ignored(dtype, shift):
+    """``return_predicted_tokens``: a float64 reference's argmax per kept token, -1 at ignored ones, the targets'
+    shape less the shift, every reduction; the token accuracy is the fraction of them that hit."""
+    x, w, t = _inputs(dtype, n=36)
+    x, t = x.view(2, -1, x.shape[-1]), t.view(2, -1)
+    t[:, :5] = (x[:, :5].double() @ w.double().T).argmax(-1)  # some hits for sure
+    t[0, 7] = -100
+    target = t[:, shift:]
+    logits = x[:, : x.shape[1] - shift].double() @ w.double().T
+    expected = torch.where(target != -100, logits.argmax(-1), -1)
+    for reduction in ("mean", "sum", "none"):
+        _, acc, predicted = linear_cross_entropy(x, w, t, shift=shift, reduction=reduction, return_accuracy=True,
+                                                 return_predicted_tokens=True, chunk_size=8)
+        assert predicted.dtype == torch.long and predicted.shape == target.shape
+        kept = target != -100
+        near = (logits.topk(2, -1).values.diff(dim=-1).abs().squeeze(-1) < 1e-2) & kept  # bf16 near-ties aside
+        assert torch.equal(predicted[~near], expected[~near]) and (predicted[~kept] == -1).all()
+        if reduction != "none":
+            torch.testing.assert_close(acc, ((predicted == target) & kept).sum() / kept.sum(), check_dtype=False)
