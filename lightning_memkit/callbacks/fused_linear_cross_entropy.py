@@ -70,7 +70,7 @@ class FusedLinearCrossEntropy(Callback):
         self.chunk_size = check_int(chunk_size, "chunk_size", minimum=1, also=("auto",),
                                     owner="FusedLinearCrossEntropy")
         self.backend = check_choice(backend, "backend", ("auto", "torch", "triton"), owner="FusedLinearCrossEntropy")
-        self.logits_dtype = check_choice(logits_dtype, "logits_dtype", tuple(LOGITS_DTYPES),
+        self.logits_dtype = check_choice(logits_dtype, "logits_dtype", LOGITS_DTYPES,
                                          owner="FusedLinearCrossEntropy")
         self.token_accuracy = check_bool(token_accuracy, "token_accuracy", owner="FusedLinearCrossEntropy")
         self.last_token_accuracy: Any = None  # a 0-dim float32 tensor once a fused call reported one

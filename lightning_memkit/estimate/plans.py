@@ -275,10 +275,10 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     The run as given and the strongest plan come first (if that one does not fit, no single-device plan does);
     when only the strongest fits and the budget is below the geometric mean of its peak and the run as given's, it
     is probed with each axis one step weaker (a probe that does not fit rules out that face of the plans); then
-    the rest, least added work first,
-    skipping a plan weaker than one that does not fit, or one that only adds work to one that fits or costs at
-    least as much as one estimated beyond the tie band of the cheapest fitting so far. The cheapest fitting plan
-    is always found (plan 1); the others listed are fitting plans found on the way, cheapest first.
+    the rest, least added work first, skipping a plan weaker than one that does not fit, or one that only adds
+    work to one that fits or costs at least as much as one estimated beyond the tie band of the cheapest fitting
+    so far. The cheapest fitting plan is always found (plan 1); the others listed are fitting plans found on the
+    way, cheapest first.
 
     Args:
         run: a :class:`~lightning_memkit.estimate.runs.Run` (:class:`~lightning_memkit.estimate.hf_run.HFRun`,

@@ -90,9 +90,9 @@ def _bind(original, args: tuple, kwargs: dict) -> dict:
     return params
 
 
-#: ``logits_dtype`` of the fused HF loss: ``"head"`` rounds each logit to the head's dtype as transformers does,
-#: ``"float32"`` keeps the logits (and their gradient) in float32.
-LOGITS_DTYPES = {"head": "head", "float32": torch.float32}
+#: ``logits_dtype`` of the fused HF loss (passed to ``linear_cross_entropy`` as it is): ``"head"`` rounds each logit
+#: to the head's dtype as transformers does, ``"float32"`` keeps the logits (and their gradient) in float32.
+LOGITS_DTYPES = ("head", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ def _lm_loss(model, hidden, labels, params, settings: _Settings) -> tuple[torch.
         hidden, weight, shift_labels.reshape(-1).to(hidden.device),
         bias=bias, ignore_index=ignore_index, softcap=getattr(model.config, "final_logit_softcapping", None),
         reduction="mean" if n_items is None else "sum", chunk_size=settings.chunk_size, backend=settings.backend,
-        logits_dtype=LOGITS_DTYPES[settings.logits_dtype], return_accuracy=settings.token_accuracy,
+        logits_dtype=settings.logits_dtype, return_accuracy=settings.token_accuracy,
     )
     loss, accuracy = out if settings.token_accuracy else (out, None)
     if n_items is not None:
@@ -213,7 +213,7 @@ def fused_linear_cross_entropy(
     _check_model(model)
     check_int(chunk_size, "chunk_size", minimum=1, also=("auto",), owner="fused_linear_cross_entropy")
     check_choice(backend, "backend", ("auto", "torch", "triton"), owner="fused_linear_cross_entropy")
-    check_choice(logits_dtype, "logits_dtype", tuple(LOGITS_DTYPES), owner="fused_linear_cross_entropy")
+    check_choice(logits_dtype, "logits_dtype", LOGITS_DTYPES, owner="fused_linear_cross_entropy")
     check_bool(token_accuracy, "token_accuracy", owner="fused_linear_cross_entropy")
     settings = _Settings(chunk_size, backend, logits_dtype, token_accuracy)
     had_own = "forward" in model.__dict__

@@ -586,8 +586,7 @@ def _accuracy(correct: torch.Tensor, target: torch.Tensor, o: CrossEntropyOption
     tokens (Liger-Kernel's, under ``"sum"`` too; 0 when every token is ignored)."""
     if o.reduction == "none":
         return correct.reshape(target.shape).to(torch.float32)
-    kept = (target != o.ignore_index).sum().clamp_min(1)
-    return correct.sum().to(torch.float32) / kept.to(torch.float32)
+    return correct.sum().to(torch.float32) / _kept(target, o)
 
 
 def _trim(t: torch.Tensor, shift: int) -> torch.Tensor:
@@ -668,8 +667,7 @@ def linear_cross_entropy(
     Returns the loss, float32 for half inputs (the peers' dtype; at least the inputs' and ``accum_dtype``'s
     precision otherwise); with ``return_lse``, ``return_accuracy``, ``return_z_loss`` and/or
     ``return_predicted_tokens`` the tuple of the loss and those asked, in that order (``(loss, lse)``,
-    ``(loss, accuracy, z_loss)``, ...). The gradients keep the
-    inputs' dtypes.
+    ``(loss, accuracy, z_loss)``, ...). The gradients keep the inputs' dtypes.
     Under ``torch.autocast`` the inputs are cast to the autocast dtype first, like ``F.linear``.
     With ``reduction="mean"``/``"sum"`` the graph can be differentiated once (gradients are built in
     forward); ``reduction="none"`` recomputes in backward and supports ``retain_graph``.
@@ -740,4 +738,9 @@ def _z_loss_term(lse: torch.Tensor, target: torch.Tensor, o: CrossEntropyOptions
     if o.reduction == "none":
         return _trim(rows, shift)
     total = rows.sum()
-    return total if o.reduction == "sum" else total / (target != o.ignore_index).sum().clamp_min(1)
+    return total if o.reduction == "sum" else total / _kept(target, o)
+
+
+def _kept(target: torch.Tensor, o: CrossEntropyOptions) -> torch.Tensor:
+    """The number of kept (not ignored) targets, at least 1, as float32: the denominator of the unweighted means."""
+    return (target != o.ignore_index).sum().clamp_min(1).to(torch.float32)
