@@ -311,6 +311,7 @@ def torch_rows(
     lse: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
     weights: ClassWeights | None = None,
+    token_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Loss and log-sum-exp of a chunk of rows, and optionally their gradient, in place.
 
@@ -323,6 +324,9 @@ def torch_rows(
         keep: ``(r, V)`` float32 scratch, required when ``softcap`` is set and a gradient is wanted.
         weights: per-class weights (:class:`ClassWeights`); the row math is then, with ``w_t`` the target's
             weight and ``W`` their sum: ``(1 - eps) * w_t * (lse - z_t) + eps / V * (W * lse - w . z) + zl * lse**2``.
+        token_scale: ``(r,)`` float32 output for token scaling (Liger-Kernel's ``use_token_scaling``): receives each
+            row's predicted probability of its target, ``exp(z_t - lse)`` (detached; 0 where ignored), which then
+            scales the row's loss and gradient. Only with ``lse`` unknown (backward folds it into ``grad_scale``).
 
     Returns:
         ``(loss, lse)``: float32 ``(r,)`` each; ``loss`` is ``None`` when ``lse`` was given.
@@ -351,7 +355,13 @@ def torch_rows(
         fill = torch.where(bad, float("nan"), 0.0).to(loss.dtype)
         loss = torch.where(ok, loss, fill)
         inv_s = s.reciprocal_().squeeze(1)  # z holds exp(z - m); p = z / s
+        if token_scale is not None:
+            grad_scale = _scale_tokens(token_scale, zt, lse, ok, bad, grad_scale)
+            loss = loss * token_scale
     else:
+        if token_scale is not None:
+            raise ValueError("torch_rows: token_scale is computed with the log-sum-exp; backward passes it in "
+                             "grad_scale")
         z.sub_(lse.unsqueeze(1))
         z.exp_()  # z holds p
         inv_s = None
@@ -364,6 +374,14 @@ def torch_rows(
             keep.square_().neg_().add_(1.0)  # d(cap * tanh(x / cap))/dx = 1 - tanh^2
             z.mul_(keep)
     return loss, lse
+
+
+def _scale_tokens(out, zt, lse, ok, bad, grad_scale):
+    """Fill ``out`` with the rows' target probabilities ``exp(z_t - lse)`` (0 where ignored, NaN for bad targets);
+    return ``grad_scale`` times them (``None`` stays ``None``)."""
+    p = torch.where(ok, torch.exp(zt - lse), 0.0)
+    out.copy_(torch.where(bad, float("nan"), p))
+    return None if grad_scale is None else grad_scale.to(torch.float32) * out
 
 
 def _row_loss(lse, zt, zsum, eps, n_classes, zl, w_t, weights):

@@ -115,6 +115,7 @@ class _Setup(NamedTuple):
     accuracy: bool  # return_accuracy: each token's argmax compared with its target
     z_out: bool = False  # return_z_loss: the log-sum-exp handed out (not differentiable) for the z-loss's value
     predicted: bool = False  # return_predicted_tokens: each token's argmax kept
+    token_scaling: bool = False  # each token's loss and gradient scaled by its target's detached probability
 
 
 class _Chunker:
@@ -208,8 +209,9 @@ class _Chunker:
             z.copy_(half)
         return z
 
-    def loss_and_grad(self, z, a, b, *, grad_scale, lse=None):
-        """Fill ``z`` with the scaled gradient (if ``grad_scale``); return ``(loss, lse)`` rows."""
+    def loss_and_grad(self, z, a, b, *, grad_scale, lse=None, token_scale=None):
+        """Fill ``z`` with the scaled gradient (if ``grad_scale``); return ``(loss, lse)`` rows (``token_scale``: the
+        rows' buffer of target probabilities, token scaling's factors, filled with ``lse`` unknown)."""
         t = self.t[a:b]
         gs = None
         if grad_scale is not None:
@@ -221,16 +223,17 @@ class _Chunker:
                 extra = dict(weight=self.weights.weight, weight_sum=self.weights.total, z_scale=self.weights.z_scale)
             out = triton_kernels().ce_rows(
                 z, t, loss=loss, lse=lse, lse_known=lse is not None, grad=z if gs is not None else None,
-                grad_scale=gs, **self.kargs, **extra,
+                grad_scale=gs, token_scale=token_scale, **self.kargs, **extra,
             )
             return loss, out
         if self.sub:  # half inputs: forward only (no gradient built in forward, backward slices the vocabulary)
             assert gs is None and lse is None, "the half path's backward is vocab_sliced_grads"
-            return self._blocked_rows(z, t)
+            return self._blocked_rows(z, t, token_scale)
         keep = None if self.keep is None or self.cap is not None else self.keep[: b - a]
-        return torch_rows(z, t, self.o, grad_scale=gs, lse=lse, keep=keep, weights=self.weights)
+        return torch_rows(z, t, self.o, grad_scale=gs, lse=lse, keep=keep, weights=self.weights,
+                          token_scale=token_scale)
 
-    def _blocked_rows(self, z, t):
+    def _blocked_rows(self, z, t, token_scale=None):
         """Forward's :func:`torch_rows` on the chunk in the head's dtype, ``sub`` rows at a time through the fp32
         block; returns the chunk's ``(loss, lse)`` rows (backward on this path is
         :mod:`~lightning_memkit.ops._vocab_backward`'s)."""
@@ -242,7 +245,8 @@ class _Chunker:
             e = min(s + self.sub, r)
             f = self.buf[: e - s]
             f.copy_(z[s:e])
-            loss[s:e], lse[s:e] = torch_rows(f, t[s:e], self.o, weights=self.weights)
+            ts = None if token_scale is None else token_scale[s:e]
+            loss[s:e], lse[s:e] = torch_rows(f, t[s:e], self.o, weights=self.weights, token_scale=ts)
         return loss, lse
 
     def gradient(self, z: torch.Tensor) -> torch.Tensor:
@@ -371,6 +375,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         correct = torch.empty(n if setup.accuracy else 0, dtype=torch.bool, device=x.device)
         predicted = torch.empty(n if setup.predicted else 0, dtype=torch.long, device=x.device)
+        scale = torch.empty(n if setup.token_scaling else 0, dtype=torch.float32, device=x.device)
         dx, dw, db = _buffers(x, weight, bias, setup.accum_dtype, need) if in_forward else (None, None, None)
         # fake tensors (an estimate): the chunks of full rows are alike, one stands for them all (fake_repeat)
         for a, count in alike_runs(n, setup.plan.rows, is_fake(x)):
@@ -383,7 +388,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                         correct[a:b] = top == t[a:b]
                     if setup.predicted:
                         predicted[a:b] = top
-                loss_c, lse_c = ch.loss_and_grad(z, a, b, grad_scale=base if in_forward else None)
+                loss_c, lse_c = ch.loss_and_grad(z, a, b, grad_scale=base if in_forward else None,
+                                                 token_scale=scale[a:b] if setup.token_scaling else None)
                 loss_rows[a:b] = loss_c
                 lse[a:b] = lse_c
                 if in_forward:
@@ -395,7 +401,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         if setup.predicted:
             predicted = torch.where(valid, predicted, -1).reshape(target.shape)
         ctx.setup, ctx.in_forward, ctx.need, ctx.hidden_shape = setup, in_forward, need, hidden.shape
-        ctx.weights, ctx.base = weights, base
+        ctx.weights, ctx.base, ctx.token_scale = weights, base, scale if setup.token_scaling else None
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
         ctx.grads = (dx, dw, db) if in_forward else None
         if any(need) and (not in_forward or setup.keep_inputs):
@@ -407,12 +413,12 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             lse_out = lse.new_empty(0)
         if not setup.keep_inputs:
             ctx.mark_non_differentiable(lse_out)
-        ctx.mark_non_differentiable(correct, predicted)
-        return reduce_loss(loss_rows, o, denom, target.shape, loss_dtype), lse_out, correct, predicted
+        ctx.mark_non_differentiable(correct, predicted, scale)
+        return reduce_loss(loss_rows, o, denom, target.shape, loss_dtype), lse_out, correct, predicted, scale
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, grad_lse, _grad_correct, _grad_predicted):
+    def backward(ctx, grad_out, grad_lse, _grad_correct, _grad_predicted, _grad_scale):
         if ctx.in_forward:
             grads = _forward_grads(ctx, grad_out)
         else:
@@ -451,6 +457,8 @@ def _recomputed_grads(ctx, grad_out):
     if grad_out is None:
         return _buffers(x, weight, bias, setup.accum_dtype, ctx.need, zero=True)
     scale = scale_for_backward(grad_out, ctx.base, setup.o.reduction)
+    if ctx.token_scale is not None:  # token scaling's detached factors, found in forward
+        scale = scale * ctx.token_scale
     if setup.plan.cols:
         block = block_rows(x.shape[0], setup.plan.cols, SUB_BLOCK_BYTES, MIN_SUB_ROWS)
         return vocab_sliced_grads(x, weight, bias, t, lse, scale, setup, ctx.weights, ctx.need, block=block)
@@ -608,6 +616,7 @@ def linear_cross_entropy(
     class_weights: torch.Tensor | None = None,
     shift: int | bool = 0,
     logits_dtype: torch.dtype | str = torch.float32,
+    token_scaling: bool = False,
     return_lse: bool = False,
     return_accuracy: bool = False,
     return_z_loss: bool = False,
@@ -639,6 +648,9 @@ def linear_cross_entropy(
             to that dtype (softcap applied in it) and its gradient rounded to it before the head's backward
             products, as ``F.cross_entropy(F.linear(hidden, weight).float(), target)`` (transformers, the
             default of :func:`~lightning_memkit.hf.fused_linear_cross_entropy`). Same result for float32 inputs.
+        token_scaling: scale each token's loss (z-loss and smoothing included) and its gradient by the predicted
+            probability of its target, ``softmax(logits)[target]`` of the logits as the loss sees them, detached
+            (Liger-Kernel's ``use_token_scaling``); ``"mean"`` still divides by the kept tokens' count (or weight).
         return_lse: also return each token's log-sum-exp (float32, ``target``'s shape, 0 where ignored),
             differentiable (for a custom z-loss; its gradient costs one more pass over the chunks, and
             ``hidden`` is kept for it).
@@ -695,6 +707,7 @@ def linear_cross_entropy(
     check_bool(return_accuracy, "return_accuracy", owner="linear_cross_entropy")
     check_bool(return_z_loss, "return_z_loss", owner="linear_cross_entropy")
     check_bool(return_predicted_tokens, "return_predicted_tokens", owner="linear_cross_entropy")
+    check_bool(token_scaling, "token_scaling", owner="linear_cross_entropy")
     dev_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
     if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(dev_type):
         dt = torch.get_autocast_dtype(dev_type)
@@ -713,9 +726,9 @@ def linear_cross_entropy(
     if accum_dtype is not None:
         loss_dtype = torch.promote_types(loss_dtype, accum_dtype)
     setup = _Setup(o, impl, plan, accum, round_to, class_weights, return_lse, return_accuracy, return_z_loss,
-                   return_predicted_tokens)
+                   return_predicted_tokens, token_scaling)
     with torch.autocast(dev_type, enabled=False):
-        loss, lse, correct, predicted = _LinearCrossEntropyFunction.apply(
+        loss, lse, correct, predicted, scale = _LinearCrossEntropyFunction.apply(
             hidden, weight, bias, target, setup, torch.is_grad_enabled(), loss_dtype
         )
     if reduction == "none":
@@ -725,16 +738,18 @@ def linear_cross_entropy(
         extras.append(_trim(_accuracy(correct, target, o), shift) if reduction == "none"
                       else _accuracy(correct, target, o))
     if return_z_loss:
-        extras.append(_z_loss_term(lse.detach(), target, o, shift))
+        extras.append(_z_loss_term(lse.detach(), scale if token_scaling else None, target, o, shift))
     if return_predicted_tokens:
         extras.append(_trim(predicted, shift))
     return (loss, *extras) if extras else loss
 
 
-def _z_loss_term(lse: torch.Tensor, target: torch.Tensor, o: CrossEntropyOptions, shift: int) -> torch.Tensor:
-    """The z-loss the loss includes (``lse`` is 0 at ignored tokens), reduced as the loss: unweighted, the mean over
-    the kept tokens' count."""
+def _z_loss_term(lse, scale, target: torch.Tensor, o: CrossEntropyOptions, shift: int) -> torch.Tensor:
+    """The z-loss the loss includes (``lse`` is 0 at ignored tokens; ``scale``: token scaling's factors, or None),
+    reduced as the loss: unweighted, the mean over the kept tokens' count."""
     rows = o.z_loss * lse.square()
+    if scale is not None:
+        rows = rows * scale.reshape(rows.shape)
     if o.reduction == "none":
         return _trim(rows, shift)
     total = rows.sum()

@@ -29,7 +29,8 @@ from lightning_memkit.ops.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["lm_head_loss"]
 
-_FUSED_ONLY = ("chunk_size", "chunk_bytes", "accum_dtype")
+_FUSED_ONLY = ("chunk_size", "chunk_bytes", "accum_dtype", "class_weights", "shift", "token_scaling", "return_lse",
+               "return_accuracy", "return_z_loss", "return_predicted_tokens")
 
 
 def lm_head_loss(
@@ -48,10 +49,11 @@ def lm_head_loss(
         fused: ``True`` calls :func:`~lightning_memkit.ops.linear_cross_entropy` (the logits are never
             materialized); ``False`` applies the head and :func:`~lightning_memkit.ops.cross_entropy`.
         options: forwarded to the chosen op (``ignore_index``, ``label_smoothing``, ``z_loss``,
-            ``softcap``, ``reduction``, ...; ``chunk_size``, ``chunk_bytes`` and ``accum_dtype`` need
-            ``fused=True``). ``logits_dtype`` applies to both: ``torch.float32`` (default) forms the logits,
-            bias and ``softcap`` in float32 (with ``fused=False`` from float32 copies of the head), ``"head"``
-            in the head's dtype (:func:`~lightning_memkit.ops.linear_cross_entropy`).
+            ``softcap``, ``reduction``, ...; ``chunk_size``, ``chunk_bytes``, ``accum_dtype``, ``class_weights``,
+            ``shift``, ``token_scaling`` and the ``return_*`` outputs need ``fused=True``). ``logits_dtype``
+            applies to both: ``torch.float32`` (default) forms the logits, bias and ``softcap`` in float32 (with
+            ``fused=False`` from float32 copies of the head), ``"head"`` in the head's dtype
+            (:func:`~lightning_memkit.ops.linear_cross_entropy`).
     """
     if not isinstance(lm_head, nn.Linear):
         raise TypeError(

@@ -44,5 +44,7 @@ def test_bad_arguments():
         lm_head_loss(hidden, nn.Embedding(20, 8), targets)
     with pytest.raises(ValueError, match="chunk_size only apply with fused=True"):
         lm_head_loss(hidden, nn.Linear(8, 20), targets, fused=False, chunk_size=4)
+    with pytest.raises(ValueError, match="token_scaling, return_accuracy only apply with fused=True"):
+        lm_head_loss(hidden, nn.Linear(8, 20), targets, fused=False, token_scaling=True, return_accuracy=True)
     with pytest.raises(TypeError, match="fused must be a bool"):
         lm_head_loss(hidden, nn.Linear(8, 20), targets, fused="yes")

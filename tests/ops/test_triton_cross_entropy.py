@@ -32,7 +32,8 @@ def test_triton_kernels_in_a_subprocess():
     # imported Lightning would hold compiled ones) that imports no library beyond what these tests do
     env = dict(os.environ, TRITON_INTERPRET="1", MEMKIT_TEST_GC_FREEZE="0")
     files = [str(Path(__file__)), *(str(Path(__file__).with_name(name)) for name in
-                                    ("test_padded_index_gather.py", "test_triton_class_weights.py"))]
+                                    ("test_padded_index_gather.py", "test_triton_class_weights.py",
+                                                                     "test_token_scaling.py"))]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", *files]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = run.stdout[-6000:] + run.stderr[-2000:]

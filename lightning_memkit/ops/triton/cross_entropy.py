@@ -52,6 +52,7 @@ def _ce_rows_kernel(
     WEIGHT,
     WSUM,
     ZSCALE,
+    TSCALE,
     n_cols,
     ignore_index,
     eps,
@@ -64,6 +65,7 @@ def _ce_rows_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_ZSCALE: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -79,6 +81,8 @@ def _ce_rows_kernel(
             tl.store(LOSS + row, 0.0)
         if not HAS_LSE:
             tl.store(LSE + row, 0.0)
+        if TOKEN_SCALING:
+            tl.store(TSCALE + row, 0.0)
         if WRITE_GRAD:
             G += row * stride_g
             for start in range(0, n_cols, BLOCK):
@@ -118,10 +122,13 @@ def _ce_rows_kernel(
             m = m_new
         lse = m + tl.log(d)
         tl.store(LSE + row, lse)
+        zt = tl.load(X + tl.where(ok, t, 0)).to(tl.float32)
+        if HAS_SOFTCAP:
+            zt = softcap * _tanh(zt / softcap)
+        if TOKEN_SCALING:  # the target's predicted probability (detached) scales the row's loss and gradient
+            tscale = tl.where(bad, float("nan"), tl.exp(zt - lse))
+            tl.store(TSCALE + row, tscale)
         if WRITE_LOSS:
-            zt = tl.load(X + tl.where(ok, t, 0)).to(tl.float32)
-            if HAS_SOFTCAP:
-                zt = softcap * _tanh(zt / softcap)
             if HAS_WEIGHT:
                 loss = (1.0 - eps) * wt * (lse - zt)
                 if HAS_SMOOTHING:
@@ -132,12 +139,16 @@ def _ce_rows_kernel(
                     loss -= eps * zsum / n_cols
             loss += zl * lse * lse
             loss = tl.where(bad, float("nan"), loss)
+            if TOKEN_SCALING:
+                loss = loss * tscale
             tl.store(LOSS + row, loss)
 
     if WRITE_GRAD:
         G += row * stride_g
         scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
         scale = tl.where(bad, float("nan"), scale)
+        if TOKEN_SCALING:
+            scale = scale * tscale
         smooth = eps / n_cols
         if HAS_WEIGHT:
             wt_true = (1.0 - eps) * wt
@@ -192,6 +203,7 @@ def ce_rows(
     weight: torch.Tensor | None = None,
     weight_sum: torch.Tensor | None = None,
     z_scale: torch.Tensor | None = None,
+    token_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the kernel over the rows of ``x`` (``(r, V)``, unit stride along V); returns ``lse``.
 
@@ -200,7 +212,9 @@ def ce_rows(
     ``dloss/dx * grad_scale`` when given; ``grad_scale`` is fp32 with 1 element or ``r`` elements.
     ``weight`` (fp32 ``(V,)``) weighs the classes as ``F.cross_entropy(weight=...)`` does per row (no
     normalisation), and then needs ``weight_sum`` (1 element holding ``weight.sum()``). ``z_scale`` (1 element)
-    multiplies ``z_loss``; tensors, so that nothing waits for the host. All on ``x``'s device.
+    multiplies ``z_loss``; tensors, so that nothing waits for the host. ``token_scale`` (fp32 ``(r,)``, with
+    ``lse`` unknown) receives each row's target probability ``exp(z_t - lse)``, which then scales its loss and
+    gradient (token scaling; 0 where ignored). All on ``x``'s device.
     """
     n_rows, n_cols = x.shape
     if x.stride(1) != 1 or (grad is not None and grad.stride(1) != 1):
@@ -221,6 +235,10 @@ def ce_rows(
         z_scale = z_scale.to(torch.float32).contiguous()
     if grad is not None and grad_scale is None:  # checked before any early return: bad input fails on empty too
         raise ValueError("ce_rows: a gradient needs grad_scale")
+    if token_scale is not None and (lse_known or token_scale.numel() != n_rows or token_scale.device != x.device
+                                    or token_scale.dtype != torch.float32):
+        raise ValueError("ce_rows: token_scale must be a float32 tensor of one element per row on the logits' "
+                         "device, with lse unknown")
     if lse is None:
         if lse_known:
             raise ValueError("ce_rows: lse_known=True needs lse")
@@ -244,6 +262,7 @@ def ce_rows(
         weight if weight is not None else lse,
         weight_sum if weight is not None else lse,
         z_scale if z_scale is not None else lse,
+        token_scale if token_scale is not None else lse,
         n_cols,
         ignore_index,
         float(label_smoothing),
@@ -256,6 +275,7 @@ def ce_rows(
         HAS_SMOOTHING=label_smoothing > 0.0,
         HAS_WEIGHT=weight is not None,
         HAS_ZSCALE=z_scale is not None,
+        TOKEN_SCALING=token_scale is not None,
         BLOCK=block,
         num_warps=num_warps,
     )
