@@ -50,8 +50,8 @@ def export_adapters(module: nn.Module, directory: str | Path, *, base: str | Non
             ``NoSaveBitsandbytesPrecision`` with ``lora_rank > 0``.
         directory: created if missing.
         base: the base's name or path (default: the model config's ``_name_or_path``).
-        base_dtype: the dtype to load the base in (default: for a quantized base, the dtype the plugin cast and
-            quantized it in, its compute dtype; else ``module.hparams["dtype"]``, as
+        base_dtype: the dtype to load the base in (default: for a quantized base, the dtype its weights were
+            quantized from, as loaded; else ``module.hparams["dtype"]``, as
             :class:`~lightning_memkit.finetune.PretrainedCausalLM` records it, else the dtype of the model's input
             embedding).
 
@@ -67,7 +67,7 @@ def export_adapters(module: nn.Module, directory: str | Path, *, base: str | Non
     else:
         base = base or getattr(model.config, "_name_or_path", None)
         _save_own(*own, out, base)
-    dtype = _base_dtype(module, model, base_dtype, as_trained=quantization is not None)
+    dtype = _base_dtype(module, model, base_dtype)
     (out / BASE_FILE).write_text(json.dumps({
         "base_model_name_or_path": base, "dtype": dtype, "bitsandbytes_config": quantization,
     }, indent=2) + "\n")
@@ -189,11 +189,14 @@ def _quantization(model: nn.Module, owner: str = _OWNER) -> dict[str, Any] | Non
             "bnb_4bit_compute_dtype": str(layer.compute_dtype).removeprefix("torch.")}
 
 
-def _base_dtype(module: nn.Module, model: nn.Module, given: str | torch.dtype | None, as_trained: bool) -> str:
-    """The dtype to load the base in: ``given``; else, ``as_trained`` (a quantized base: the plugin cast it to its
-    ``dtype`` and quantized it from there), that of the model's input embedding; else the one the module loaded
-    it in (``hparams["dtype"]``, as :class:`~lightning_memkit.finetune.PretrainedCausalLM` records it)."""
-    if given is None and not as_trained:
+def _base_dtype(module: nn.Module, model: nn.Module, given: str | torch.dtype | None) -> str:
+    """The dtype to load the base in: ``given``; else, for a quantized base, the dtype its weights were quantized
+    from (the plugin quantizes them as loaded, as ``BitsAndBytesConfig`` does); else the one the module loaded it in
+    (``hparams["dtype"]``, as :class:`~lightning_memkit.finetune.PretrainedCausalLM` records it); else that of the
+    model's input embedding."""
+    if given is None:
+        given = next((m.source_dtype for m in model.modules() if getattr(m, "source_dtype", None) is not None), None)
+    if given is None:
         hparams = getattr(module, "hparams", None)
         given = hparams.get("dtype") if hasattr(hparams, "get") else None
     if given is None:

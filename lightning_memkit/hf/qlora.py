@@ -245,8 +245,10 @@ def dequantized_experts(experts: nn.Module, dtype: torch.dtype = torch.float32) 
     return {k: v.transpose(1, 2).contiguous() if experts.is_transposed else v for k, v in dense.items()}
 
 
-def freeze_all_but_adapters_(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Freeze every parameter of ``model`` but the LoRA adapters and cast the floating ones to ``dtype``.
+def freeze_all_but_adapters_(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
+    """Freeze every parameter of ``model`` but the LoRA adapters and cast the floating ones to ``dtype`` (``None``:
+    each keeps the dtype it was loaded in, as transformers' ``BitsAndBytesConfig`` keeps the layers it does not
+    quantize).
 
     The adapters are memkit's (:class:`~lightning_memkit.ops.lora.LoRAAdapter` and kin: left as they are, float32)
     and peft's (``lora_A``/``lora_B`` of every adapter name, ``modules_to_save`` copies): their ``requires_grad``
@@ -273,11 +275,11 @@ def freeze_all_but_adapters_(model: nn.Module, dtype: torch.dtype) -> list[str]:
         if id(p) in ours:
             continue
         if id(p) in peft:
-            if p.is_floating_point() and p.dtype not in (torch.float32, dtype):
+            if dtype is not None and p.is_floating_point() and p.dtype not in (torch.float32, dtype):
                 p.data = p.data.to(dtype)
             continue
         p.requires_grad_(False)
-        if p.is_floating_point() and p.dtype != dtype:
+        if dtype is not None and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
         frozen.append(name)
     return frozen

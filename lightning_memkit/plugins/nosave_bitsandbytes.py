@@ -13,7 +13,9 @@
 - a Hugging Face model becomes a QLoRA model with no further code (:mod:`lightning_memkit.hf.qlora`): its MoE
   experts' 3-D weights are quantized too, expert by expert, with per-expert adapters
   (:class:`~lightning_memkit.ops.lora.ExpertLoRAAdapter`); ``lm_head`` stays unquantized; every other
-  parameter (embeddings, norms, routers, biases, ``lm_head``) is frozen and cast to ``dtype``;
+  parameter (embeddings, norms, routers, biases, ``lm_head``) is frozen and kept in the dtype it was loaded in;
+- the weights are quantized as loaded, from their own dtype, and the rest kept so: the base transformers'
+  ``BitsAndBytesConfig`` makes of the checkpoint loaded in that dtype, so adapters saved by peft serve as trained;
 - a peft model (LoRA adapters made by ``peft.get_peft_model``) keeps its adapters: the ``base_layer`` of each
   peft LoRA layer is quantized like any other Linear layer, peft's ``lora_A``/``lora_B`` stay dense and
   trainable (float32 ones stay float32), and ``lora_rank`` must stay 0.
@@ -98,10 +100,12 @@ def packed_modes(state_dict: dict) -> set[str]:
 # -- layer classes ---------------------------------------------------------------------------------------
 class _NoSave4bitMixin(NoSaveLinearMixin):
     def quantize(self, params4bit, weight: torch.Tensor, device: torch.device | None):
-        """Lightning's steps on any device, from the weight in this layer's compute dtype (Lightning's own quantize a
+        """Lightning's steps on any device, from the weight as loaded, in its own dtype (Lightning's own quantize a
         float16 copy, on CUDA only): the packed bytes and quant state transformers' ``BitsAndBytesConfig`` makes of
-        a base loaded in that dtype, so exported adapters meet the base they were trained on."""
-        w = weight.contiguous().to(device=device or torch.device("cuda"), dtype=self.compute_dtype or weight.dtype)
+        the base loaded in that dtype, so adapters saved by peft or exported meet the base they were trained on.
+        The dtype is kept as ``source_dtype``, the dtype to load the base in."""
+        self.source_dtype = weight.dtype
+        w = weight.contiguous().to(device=device or torch.device("cuda"))
         w_4bit, quant_state = _fabric_bnb._import_bitsandbytes().functional.quantize_4bit(
             w,
             blocksize=params4bit.blocksize,
@@ -381,7 +385,8 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         Hugging Face models inside ``module`` become QLoRA models: their MoE experts are quantized too (expert
         by expert, with per-expert adapters; ``ignore_modules`` prefixes may name experts modules), their output
         embedding (``lm_head``) stays unquantized, and every parameter outside the adapters (those of ignored
-        modules included) is frozen and cast to ``dtype``.
+        modules included) is frozen and kept in the dtype it was loaded in (``dtype`` is the quantized products'
+        compute dtype), as transformers' ``BitsAndBytesConfig`` loading keeps it.
 
         The whole model is checked and the experts are quantized before anything changes; if a step still
         fails, every change is undone. A Linear layer whose weight or bias is shared with another module (an
@@ -416,7 +421,7 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
             for conversion in conversions:
                 conversion.apply()
             for _, model in hf_models(module):
-                freeze_base_(model, self.dtype)  # memkit's and peft's adapters stay trainable
+                freeze_base_(model)  # kept as loaded; memkit's and peft's adapters stay trainable
         self.experts_converted = len(conversions)
         log.debug("NoSaveBitsandbytesPrecision: %d experts modules converted to %s", len(conversions), self.mode)
         self._converted.add(module)

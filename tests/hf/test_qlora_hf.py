@@ -77,10 +77,15 @@ def _assert_unchanged(model, snapshot):
 
 # -- what the conversion produces ------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
-def test_conversion_quantizes_linears_and_experts_freezes_and_casts_the_rest(family):
-    model = _convert(tiny_hf_causal_lm(family, seed=0), dtype=torch.bfloat16)
+@pytest.mark.parametrize("loaded", [torch.float32, torch.bfloat16])
+def test_conversion_quantizes_linears_and_experts_freezes_and_keeps_the_rest_as_loaded(family, loaded):
+    """bf16 compute: the quantized products run in bf16, every other parameter keeps the dtype the model was loaded
+    in (transformers' ``BitsAndBytesConfig`` loading), the adapters float32."""
+    model = tiny_hf_causal_lm(family, seed=0, dtype=loaded)
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    model = _convert(model, dtype=torch.bfloat16)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == loaded
     assert all(isinstance(m, QUANTIZED_LINEAR) and m.weight.dtype == torch.uint8
                for n, m in linears.items() if n != "lm_head")
     experts = [m for m in model.modules() if isinstance(m, QLoRAExperts)]
@@ -101,10 +106,10 @@ def test_conversion_quantizes_linears_and_experts_freezes_and_casts_the_rest(fam
     assert len(trainable - attention) == {"qwen3_moe": 8, "gpt_oss": 8, "llama": 12}[family]
     for n, p in model.named_parameters():
         if n not in trainable and p.is_floating_point():
-            assert p.dtype == torch.bfloat16, n  # embeddings, norms, routers, sinks, biases, lm_head
+            assert p.dtype == loaded, n  # embeddings, norms, routers, sinks, biases, lm_head
         if n in trainable:
             assert p.dtype == torch.float32, n
-    assert all(b.dtype == torch.float32 for n, b in model.named_buffers() if n.endswith("inv_freq"))
+    assert all(b.dtype == buffers[n] for n, b in model.named_buffers() if n in buffers)  # buffers as they were
 
 
 @pytest.mark.parametrize(("family", "mode", "dtype", "tol"), [
@@ -196,7 +201,7 @@ def test_the_saved_copy_check_catches_a_dequantize_then_matmul_path(monkeypatch)
 
 
 # -- ignore_modules, errors, all-or-nothing --------------------------------------------------------------
-def test_ignore_modules_stay_unquantized_and_are_frozen_in_dtype():
+def test_ignore_modules_stay_unquantized_and_are_frozen_as_loaded():
     model = tiny_hf_causal_lm("qwen3_moe", seed=0)
     layer1 = model.model.layers[1]
     before = {n: p.detach().clone() for n, p in layer1.named_parameters()}
@@ -205,7 +210,7 @@ def test_ignore_modules_stay_unquantized_and_are_frozen_in_dtype():
     assert type(layer1.mlp.experts).__name__ == "Qwen3MoeExperts" and type(layer1.self_attn.q_proj) is nn.Linear
     assert not any(isinstance(m, (LoRAAdapter, ExpertLoRAAdapter)) for m in layer1.modules())
     for n, p in layer1.named_parameters():
-        assert p.dtype == torch.bfloat16 and not p.requires_grad and torch.equal(p.detach(), before[n].bfloat16()), n
+        assert p.dtype == torch.float32 and not p.requires_grad and torch.equal(p.detach(), before[n]), n
     model(**_batch()).loss.backward()
     assert model.model.layers[0].mlp.experts.lora.down_proj.B.grad is not None
 
@@ -322,8 +327,8 @@ def test_trainer_fits_only_the_adapters(family):
     assert all(p.dtype == torch.float32 and not torch.equal(p.detach(), watch.lora_before[n])
                for n, p in trainable.items())
     hf = module.model
-    assert type(hf.lm_head) is nn.Linear and hf.lm_head.weight.dtype == torch.bfloat16
-    assert all(p.dtype in (torch.bfloat16, torch.uint8) for n, p in hf.named_parameters() if not p.requires_grad)
+    assert type(hf.lm_head) is nn.Linear and hf.lm_head.weight.dtype == torch.float32  # kept as built (float32)
+    assert all(p.dtype in (torch.float32, torch.uint8) for n, p in hf.named_parameters() if not p.requires_grad)
     experts = [m for m in hf.modules() if isinstance(m, QLoRAExperts)]
     assert len(experts) == (2 if family in MOE else 0)
     assert all(q.weight.dtype == torch.uint8 for m in experts for q in (m.gate_up_proj, m.down_proj))
