@@ -43,6 +43,8 @@ class HFCausalLM(CausalLMSteps, pl.LightningModule):
         peft_lora: keyword arguments of ``peft.LoraConfig``, e.g. ``{"r": 8, "target_modules": ["q_proj",
             "v_proj"]}``: ``self.model`` becomes ``peft.get_peft_model(model, LoraConfig(**peft_lora))``, whose
             adapters are the only trainable parameters; ``None`` (default): no peft.
+        dtype: the dtype the model is built in (``"float32"``, default; ``"bfloat16"`` or ``"float16"``), as a
+            checkpoint loads in it: ``NoSaveBitsandbytesPrecision`` keeps what it does not quantize in this dtype.
 
     Example (LightningCLI YAML)::
 
@@ -57,7 +59,8 @@ class HFCausalLM(CausalLMSteps, pl.LightningModule):
 
     def __init__(self, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, vocab_size: int = 256,
                  num_experts: int = 4, lr: float = 3e-3, seed: int | None = 0,
-                 config_overrides: dict[str, Any] | None = None, peft_lora: dict[str, Any] | None = None):
+                 config_overrides: dict[str, Any] | None = None, peft_lora: dict[str, Any] | None = None,
+                 dtype: str = "float32"):
         super().__init__()
         owner = "HFCausalLM"
         check_choice(family, "family", HF_FAMILIES, owner=owner)
@@ -67,10 +70,12 @@ class HFCausalLM(CausalLMSteps, pl.LightningModule):
         if hidden_size % 8:
             raise ValueError(f"HFCausalLM(hidden_size={hidden_size}) must be a multiple of 8 (4 heads of even size)")
         check_number(lr, "lr", minimum=0, min_inclusive=False, owner=owner)
+        check_choice(dtype, "dtype", ("float32", "bfloat16", "float16"), owner=owner)
         lora = lora_config(peft_lora, owner)
         self.save_hyperparameters()
         model = tiny_hf_causal_lm(family, seed=seed, hidden_size=hidden_size, num_layers=num_layers,
-                                  vocab_size=vocab_size, num_experts=num_experts, **(config_overrides or {}))
+                                  vocab_size=vocab_size, num_experts=num_experts, dtype=getattr(torch, dtype),
+                                  **(config_overrides or {}))
         if lora is not None:
             from peft import get_peft_model
 

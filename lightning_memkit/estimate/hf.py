@@ -75,10 +75,11 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
     the KV cache off, as :class:`~lightning_memkit.callbacks.ActivationCheckpointing` does; ``plugin``
     (``"nf4-lora"``, ...: :data:`PLUGINS`) quantizes the model with
     :class:`~lightning_memkit.plugins.NoSaveBitsandbytesPrecision` in ``precision``'s dtype with LoRA adapters
-    of ``lora_rank``. A ``quantization_config`` in the file is ignored: the weights are dense in the training
-    dtype unless ``plugin`` quantizes them. ``accumulate``: the batch is one micro-batch of several
-    (``accumulate_grad_batches > 1``): the gradients stay alive through the step. ``device``: ``"cuda"`` adds
-    the CUDA-only terms (``estimate_training_memory``'s ``target``), ``"cpu"`` counts the step as it runs here.
+    of ``lora_rank``, the model built in that dtype (a checkpoint loaded in it). A ``quantization_config`` in the
+    file is ignored: the weights are dense in the training dtype unless ``plugin`` quantizes them. ``accumulate``:
+    the batch is one micro-batch of several (``accumulate_grad_batches > 1``): the gradients stay alive through the
+    step. ``device``: ``"cuda"`` adds the CUDA-only terms (``estimate_training_memory``'s ``target``), ``"cpu"``
+    counts the step as it runs here.
     The token batch is fake (no memory). Every input is checked before any work
     (:mod:`lightning_memkit.estimate.inputs`): a bad one raises ``ConfigError`` (a ``ValueError``) naming it;
     sizes left to the config class's defaults and unknown keys warn (``InputWarning``).
@@ -104,6 +105,8 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
         make_optimizer = wrap(make_optimizer)
         optimizer_name = getattr(make_optimizer, "__name__", optimizer_name)
     batch = _token_batch(config.vocab_size, seq_len, batch_size)
+    # quantized: the checkpoint as loaded in the plugin's dtype (the plugin keeps what it does not quantize as loaded)
+    dtype = plugin_dtype(precision) if plugin else None
 
     def trace(cfg: Any, log: bool) -> StepTrace:
         qlora = qlora_plugin(plugin, precision, lora_rank)  # a plugin per model it converts
@@ -113,9 +116,9 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
                    zero_grad="accumulate" if accumulate else "after_forward", plugin=qlora, target=device,
                    fake_batch=True, log=log)
         try:  # the first step's state made directly (half the work), checked by the recorded step
-            return trace_training_step(_model_factory(cfg), batch, make_optimizer, warmup="synthetic", **run)
+            return trace_training_step(_model_factory(cfg, dtype), batch, make_optimizer, warmup="synthetic", **run)
         except WarmupMismatch:
-            return trace_training_step(_model_factory(cfg), batch, make_optimizer, **run)
+            return trace_training_step(_model_factory(cfg, dtype), batch, make_optimizer, **run)
 
     if fused_loss:  # imported once here, not in each process tracing a sample
         import lightning_memkit.hf.fused_loss  # noqa: F401
@@ -150,11 +153,11 @@ def _hf_layer(_name: str, module: torch.nn.Module) -> bool:
     return isinstance(module, GradientCheckpointingLayer)
 
 
-def _model_factory(config: Any) -> Any:
+def _model_factory(config: Any, dtype: torch.dtype | None = None) -> Any:
     def model() -> torch.nn.Module:
         import transformers
 
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype else {}))
 
     return model
 
@@ -207,14 +210,16 @@ def qlora_plugin(name: str | None, precision: str, lora_rank: int = DEFAULT_LORA
         raise ConfigError(f"--plugin {name} with --precision {precision}: {err}") from err
 
 
-def _hf_factories(path: Path, seq_len: int, batch_size: int, sequences: int | None = None) -> tuple[Any, Any, Any]:
-    """``(model_factory, batch_factory)`` of the causal LM in ``path``: random ``input_ids`` and ``labels`` of
-    ``sequences`` (default ``batch_size``) rows, made under the estimate's fake mode (no memory). Every input is
-    checked first (:mod:`lightning_memkit.estimate.inputs`); returns the config too."""
+def _hf_factories(path: Path, seq_len: int, batch_size: int, sequences: int | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[Any, Any, Any]:
+    """``(model_factory, batch_factory)`` of the causal LM in ``path`` (built in ``dtype``, default the config
+    class's): random ``input_ids`` and ``labels`` of ``sequences`` (default ``batch_size``) rows, made under the
+    estimate's fake mode (no memory). Every input is checked first (:mod:`lightning_memkit.estimate.inputs`); returns
+    the config too."""
     seq_len, batch_size = check_tokens(seq_len, batch_size)
     config = read_hf_config(path)
     check_positions(seq_len, config, path)
-    return _model_factory(config), _token_batch(config.vocab_size, seq_len, sequences or batch_size), config
+    return _model_factory(config, dtype), _token_batch(config.vocab_size, seq_len, sequences or batch_size), config
 
 
 @dataclass

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memkit.measure.fake_repeat import repeat_factor
+from lightning_memkit.measure.fake_repeat import allocation_factor, repeat_factor
 from lightning_memkit.measure.live_peak import HOST, LivePeak, StorageEntry, device_key
 from lightning_memkit.measure.storage import has_storage, iter_op_tensors, storage_key, storage_of
 
@@ -185,7 +185,7 @@ class CategoryTracker(LivePeak):
                 self._change(device, nbytes)
                 return
             if self.phase is not None:
-                counted = nbytes * repeat_factor()  # a loop's one iteration standing for all (fake_repeat)
+                counted = nbytes * allocation_factor()  # a loop's one iteration standing for all (fake_repeat)
                 self.allocated += counted
                 self.allocated_by_phase[self.phase] = self.allocated_by_phase.get(self.phase, 0) + counted
             self.totals[tag[0]] += nbytes

@@ -23,9 +23,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["alike_runs", "repeat_factor", "stands_for"]
+__all__ = ["alike_runs", "allocation_factor", "repeat_factor", "stands_for"]
 
 _FACTOR = [1]
+_ALLOCATIONS = [1]
 
 
 def repeat_factor() -> int:
@@ -33,21 +34,33 @@ def repeat_factor() -> int:
     return _FACTOR[0]
 
 
-def stands_for(count: int) -> contextlib.AbstractContextManager[None]:
-    """The ops inside count ``count`` times (nested: the product); a count of 1 is a plain ``nullcontext`` (no state
+def allocation_factor() -> int:
+    """How many times the storages allocated now count among the bytes a step allocates (:func:`repeat_factor`
+    unless :func:`stands_for` was given ``allocations``)."""
+    return _ALLOCATIONS[0]
+
+
+def stands_for(count: int, allocations: int | None = None) -> contextlib.AbstractContextManager[None]:
+    """The ops inside count ``count`` times (nested: the product), their allocations ``allocations`` times (default
+    ``count``; 0: storages standing for ones already counted); a count of 1 is a plain ``nullcontext`` (no state
     touched, so a loop compiled by ``torch.compile`` traces through it)."""
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"stands_for(count={count!r}): a positive int")
-    return contextlib.nullcontext() if count == 1 else _standing(count)
+    allocations = count if allocations is None else allocations
+    if not isinstance(allocations, int) or allocations < 0:
+        raise ValueError(f"stands_for(allocations={allocations!r}): an int >= 0")
+    return contextlib.nullcontext() if count == 1 and allocations == 1 else _standing(count, allocations)
 
 
 @contextlib.contextmanager
-def _standing(count: int) -> Iterator[None]:
+def _standing(count: int, allocations: int) -> Iterator[None]:
+    before = _FACTOR[0], _ALLOCATIONS[0]
     _FACTOR[0] *= count
+    _ALLOCATIONS[0] *= allocations
     try:
         yield
     finally:
-        _FACTOR[0] //= count
+        _FACTOR[0], _ALLOCATIONS[0] = before
 
 
 def alike_runs(stop: int, step: int, fake: bool) -> list[tuple[int, int]]:

@@ -31,8 +31,10 @@ import math
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memkit.common.validation import check_int, check_number
+from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
 
 __all__ = ["LoRAAdapter", "ExpertLoRAAdapter", "check_lora_args", "freeze_base_", "low_rank_update"]
 
@@ -52,6 +54,11 @@ def _slice_rows(*widths: int) -> int:
     return max(1, WIDE_SLICE_BYTES // (4 * max(1, *widths)))
 
 
+def _estimating(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a fake tensor of a memory estimate (not one that ``torch.compile`` traces with)."""
+    return not torch.compiler.is_compiling() and is_fake(x)
+
+
 def _joined(slices: list[torch.Tensor], like: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     """The slices' rows as one tensor (no copy for one slice; ``(0, width)`` of ``dtype`` for none)."""
     if len(slices) == 1:
@@ -69,9 +76,23 @@ class _LowRankUpdate(torch.autograd.Function):
         # nothing in place: selective activation checkpointing caches these ops' outputs and refuses mutated ones
         rows = x.reshape(-1, x.shape[-1])
         hs, outs, step = [], [], _slice_rows(a.shape[0], b.shape[1])
-        for i in range(0, rows.shape[0], step):
+
+        def piece(i: int) -> None:
             hs.append(rows[i:i + step].float() @ a)
             outs.append(((hs[-1] @ b) * scaling).to(x.dtype))
+
+        for i, count in alike_runs(rows.shape[0], step, _estimating(x)):
+            if count > 1:  # fake tensors: the first count - 1 slices' kept rows as one block each, their ops run once
+                with stands_for(1, allocations=0):  # their bytes are counted by the piece standing for them
+                    kept = (rows.new_empty((count - 1) * step, a.shape[1], dtype=torch.float32),
+                            rows.new_empty((count - 1) * step, b.shape[1], dtype=x.dtype))
+                with stands_for(count - 1):
+                    piece(i)
+                del hs[-1], outs[-1]
+                hs.append(kept[0])
+                outs.append(kept[1])
+                i += (count - 1) * step
+            piece(i)
         ctx.save_for_backward(x, a, b, _joined(hs, rows, a.shape[1], torch.float32))
         ctx.scaling = scaling
         return _joined(outs, rows, b.shape[1], x.dtype).reshape(*x.shape[:-1], b.shape[1])
@@ -85,15 +106,16 @@ class _LowRankUpdate(torch.autograd.Function):
         grad_a = torch.zeros_like(a) if need_a else None
         grad_b = torch.zeros_like(b) if need_b else None
         step = _slice_rows(a.shape[0], b.shape[1])
-        for i in range(0, rows.shape[0], step):
-            g = grad[i:i + step].to(torch.float32, copy=True).mul_(ctx.scaling)  # never the caller's gradient
-            gh = g @ b.mT
-            if need_x:
-                grad_x[i:i + step] = (gh @ a.mT).to(x.dtype)
-            if need_a:
-                grad_a.addmm_(rows[i:i + step].float().mT, gh)
-            if need_b:
-                grad_b.addmm_(h[i:i + step].mT, g)
+        for i, count in alike_runs(rows.shape[0], step, _estimating(x)):  # fake: one slice stands for alike ones
+            with stands_for(count):
+                g = grad[i:i + step].to(torch.float32, copy=True).mul_(ctx.scaling)  # never the caller's gradient
+                gh = g @ b.mT
+                if need_x:
+                    grad_x[i:i + step] = (gh @ a.mT).to(x.dtype)
+                if need_a:
+                    grad_a.addmm_(rows[i:i + step].float().mT, gh)
+                if need_b:
+                    grad_b.addmm_(h[i:i + step].mT, g)
         return grad_x.reshape(x.shape) if need_x else None, grad_a, grad_b, None
 
 

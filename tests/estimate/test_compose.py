@@ -18,6 +18,7 @@ from lightning_memkit.estimate.hf import (
     checkpoint_mode,
     estimate_from_hf_config,
     hf_patches,
+    plugin_dtype,
     qlora_plugin,
 )
 from lightning_memkit.estimate.step import estimate_training_memory
@@ -52,7 +53,8 @@ def full_trace(path: Path, *, precision: str = "bf16-true", optimizer: str = "ad
             optimizer = wrap(optimizer)
     mode = checkpoint_mode(activation_checkpointing)
     qlora = qlora_plugin(plugin, precision)
-    model, batch, _ = _hf_factories(path, tokens["seq_len"], tokens["batch_size"])
+    model, batch, _ = _hf_factories(path, tokens["seq_len"], tokens["batch_size"],
+                                    dtype=plugin_dtype(precision) if qlora else None)  # as memkit estimate builds it
     return estimate_training_memory(model, batch, optimizer=optimizer, precision="32-true" if qlora else precision,
                                     checkpoint="auto" if mode else None, checkpoint_mode=mode or "full",
                                     patches=hf_patches(bool(mode), fused_loss), plugin=qlora,

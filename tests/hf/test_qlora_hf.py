@@ -363,3 +363,11 @@ def test_cuda_conversion_quantizes_on_the_gpu_and_matches_the_round_trip(family)
     loss.backward()
     grads = [m.lora.down_proj.B.grad for m in experts]
     assert all(g is not None and torch.isfinite(g).all() and g.abs().max() > 0 for g in grads)
+
+
+def test_the_demo_model_is_built_in_its_dtype_and_the_plugin_keeps_it():
+    module = HFCausalLM("llama", hidden_size=16, num_layers=1, dtype="bfloat16")
+    _convert(module.model, dtype=torch.bfloat16)
+    assert {p.dtype for p in module.model.parameters() if not p.requires_grad} == {torch.bfloat16, torch.uint8}
+    with pytest.raises(ValueError, match=r"HFCausalLM\(dtype='int8'\): must be one of 'float32', 'bfloat16'"):
+        HFCausalLM(dtype="int8")

@@ -29,3 +29,19 @@ def test_the_fake_runs_count_every_iteration_and_keep_every_width(stop, step):
     widths = {min(s + step, stop) - s for s, _ in real}
     assert {min(s + step, stop) - s for s, _ in fake} == widths
     assert len(fake) <= 2
+
+
+def test_allocations_count_apart_from_the_ops_and_nest():
+    from lightning_memkit.measure.fake_repeat import allocation_factor
+
+    with stands_for(3, allocations=0):
+        assert (repeat_factor(), allocation_factor()) == (3, 0)
+        with stands_for(2):
+            assert (repeat_factor(), allocation_factor()) == (6, 0)
+    with stands_for(1, allocations=0):
+        assert (repeat_factor(), allocation_factor()) == (1, 0)
+    with stands_for(4):
+        assert (repeat_factor(), allocation_factor()) == (4, 4)
+    assert (repeat_factor(), allocation_factor()) == (1, 1)
+    with pytest.raises(ValueError, match=r"stands_for\(allocations=-1\): an int >= 0"):
+        stands_for(2, allocations=-1)

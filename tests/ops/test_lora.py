@@ -232,3 +232,36 @@ def test_recomputed_under_activation_checkpointing_with_the_same_gradients(mode,
     with checkpoint_modules([("lora", lora)], mode):
         recomputed = step()
     assert all(torch.equal(a, b) for a, b in zip(recomputed, plain))
+
+
+@pytest.mark.parametrize("rows", [50, 49, 8])  # 7 rows a slice: alike slices and a shorter last one, or two
+def test_on_fake_tensors_one_slice_stands_for_the_alike_ones(monkeypatch, rows):
+    """An estimate runs one slice of each kind (their kept rows as one block) and counts the same peak in every phase,
+    the same FLOPs and the same allocated bytes as the loop over every slice."""
+    import lightning_memkit.ops.lora as lora
+    from lightning_memkit.estimate.step import estimate_training_memory
+
+    width = 32
+    monkeypatch.setattr(lora, "WIDE_SLICE_BYTES", 4 * width * 7)
+
+    class Adapted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.base = torch.nn.Linear(width, width), torch.nn.Linear(width, width).requires_grad_(False)
+            self.a, self.b = torch.nn.Parameter(torch.randn(width, 4)), torch.nn.Parameter(torch.randn(4, width))
+
+        def forward(self, x):
+            x = self.inner(x)  # fake hidden states, as a decoder layer's
+            return (self.base(x) + lora.low_rank_update(x, self.a, self.b, 0.5)).square().mean()
+
+    def estimate():
+        est = estimate_training_memory(Adapted, lambda: torch.randn(rows, width), loss_fn=lambda m, b: m(b))
+        return [p.peak_bytes for p in est.phases], est.step_flops, est.step_bytes
+
+    seen = []
+    alike = lora.alike_runs
+    monkeypatch.setattr(lora, "alike_runs", lambda stop, step, fake: seen.append(fake) or alike(stop, step, fake))
+    standing = estimate()
+    assert all(seen) and seen
+    monkeypatch.setattr(lora, "alike_runs", lambda stop, step, fake: alike(stop, step, False))
+    assert standing == estimate()
