@@ -8,7 +8,8 @@ fresh by the data loader, as a device copy would be) and reads the peak of the s
 ``on_train_batch_start`` to ``on_train_batch_end``: weights, gradients, optimizer state, batch and
 activations all counted. Goal: within 5% on every case.
 
-Case 2: how long ``memkit estimate`` takes on the Llama-3-8B and GPT-OSS-20B configs in ``examples/hf_configs/``
+Case 2: how long ``memkit estimate`` takes on the Llama-3-8B, GPT-OSS-20B and Qwen3-30B-A3B configs in
+``examples/hf_configs/``
 (start-up included, each in a fresh interpreter), and the ``--budget 24GiB`` search of docs/estimate.md.
 
 On CUDA (``--device cuda``): a ~1.1B-parameter Llama (TinyLlama's dimensions) in bf16, predicted with
@@ -105,8 +106,12 @@ def model_factory(case: Case) -> Callable[[], torch.nn.Module]:
         return lambda: TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=SEQ, loss=loss)
     from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
 
+    # a composed QLoRA case: built in bf16, as memkit estimate builds a --plugin run (a bf16 checkpoint loaded)
+    dtype = torch.bfloat16 if case.layers != 2 and "qlora" in case.features else torch.float32
+
     def build() -> torch.nn.Module:
-        model = tiny_hf_causal_lm(case.family, seed=0, hidden_size=64, num_layers=case.layers, vocab_size=VOCAB)
+        model = tiny_hf_causal_lm(case.family, seed=0, hidden_size=64, num_layers=case.layers, vocab_size=VOCAB,
+                                  dtype=dtype)
         if "eager experts" in case.features:  # transformers' per-expert loop instead of grouped_mm
             model.set_experts_implementation("eager")
         return model
@@ -299,8 +304,10 @@ TIMED = (
     ("GPT-OSS-20B", "gpt_oss_20b", ()),
     ("GPT-OSS-20B", "gpt_oss_20b", ("--activation-checkpointing", "--fused-loss")),
     ("GPT-OSS-20B", "gpt_oss_20b", ("--plugin", "nf4-lora")),
+    ("Qwen3-30B-A3B", "qwen3_30b_a3b", ("--plugin", "nf4-lora")),
 )
 OUTSIDE_GOAL = ("GPT-OSS-20B --plugin nf4-lora",)  # rows of TIMED shown for their cost, not held to the 10 s goal
+LARGE_MOE_GOAL = {"Qwen3-30B-A3B --plugin nf4-lora": 60}  # rows held to a goal of their own (seconds)
 BUDGET = ("--hf-config", "examples/hf_configs/llama3_8b.json", "--seq-len", "4096", "--batch-size", "4",
           "--precision", "bf16-true", "--plugin", "nf4-lora", "--budget", "24GiB")
 
@@ -344,8 +351,10 @@ def _timing() -> list[dict[str, Any]]:
     return [record("estimate", "time to estimate, start-up included (memkit estimate --hf-config <config> --seq-len "
                    "4096 --precision bf16-true <flags>; 2 CPU cores, load average before each run listed)", "none",
                    rows, goal="at most 10 s each on 2 idle cores, every Llama-3-8B row and GPT-OSS-20B in bf16 (its "
-                   "QLoRA row, 32 quantized experts per layer, is shown for its cost, outside the goal)",
-                   met=all(r["seconds"] <= 10 for r in rows if r["impl"] not in OUTSIDE_GOAL)),
+                   "QLoRA row, 32 quantized experts per layer, is shown for its cost, outside the goal); Qwen3-30B-A3B "
+                   "QLoRA (128 quantized experts per layer) at most 60 s",
+                   met=all(r["seconds"] <= LARGE_MOE_GOAL.get(r["impl"], 10) for r in rows
+                           if r["impl"] not in OUTSIDE_GOAL)),
             record("estimate", "time to search plans, start-up included (memkit estimate " + " ".join(BUDGET) + ")",
                    "none", [{"impl": "--budget 24GiB search", "seconds": budget["seconds"],
                              "cpu seconds": budget["cpu seconds"], "load before": budget["load"],
