@@ -247,3 +247,34 @@ def test_predicted_tokens_are_the_argmax_per_token_and_minus_one_where_ignored(d
         assert torch.equal(predicted[~near], expected[~near]) and (predicted[~kept] == -1).all()
         if reduction != "none":
             torch.testing.assert_close(acc, ((predicted == target) & kept).sum() / kept.sum(), check_dtype=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_softcap_bias_and_class_weights_in_half_precision_against_float64(dtype, reduction):
+    """The default float32 logits: softcap 20, a bias and class weights on fp16/bf16 inputs give the float64 loss of
+    the same (rounded) inputs to float32 rounding, and its gradients to one rounding to the inputs' dtype (``dW``
+    accumulated in float32 across the chunks, ``accum_dtype=torch.float32``)."""
+    g = torch.Generator().manual_seed(3)
+    n, v, h = 40, 90, 16
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * 2).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.02).to(dtype)
+    cw = torch.rand(v, generator=g) + 0.5
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::6] = -100
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    z = 20.0 * torch.tanh(F.linear(x64, w64, b.double()) / 20.0)
+    ref = F.cross_entropy(z, t, weight=cw.double(), reduction=reduction)
+    go = torch.rand(ref.shape, generator=g, dtype=torch.float64) + 0.5
+    ref.backward(go)
+    xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ours = linear_cross_entropy(xs, ws, t, bias=b, softcap=20.0, class_weights=cw, reduction=reduction, chunk_size=16,
+                                accum_dtype=torch.float32)
+    ours.backward(go.float())
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours.double(), ref.detach(), rtol=2e-6, atol=2e-6)
+    step = 2.0 ** -(8 if dtype == torch.bfloat16 else 11)  # one rounding to the inputs' dtype
+    for mine, truth in ((xs.grad, x64.grad), (ws.grad, w64.grad)):
+        assert mine.dtype == dtype
+        assert (mine.double() - truth).abs().max() <= step * truth.abs().max()
