@@ -4,10 +4,11 @@ The public names below are imported on first access (PEP 562), so ``import light
 pure-torch subpackages (``lightning_memkit.ops``, ``lightning_memkit.memory``) never import Lightning.
 
 ``strategy="memkit_pipeline"`` is registered with Lightning's ``StrategyRegistry`` (a factory that imports the
-strategy when a Trainer asks for it) by ``import lightning_memkit`` once ``lightning.pytorch`` is imported, and by
-every part of the package that imports Lightning (``lightning_memkit.callbacks``, ``.plugins``, ``.strategies``,
-``memkit``'s configs). A script that imports this package before Lightning and names the strategy only as a string
-calls :func:`register_pipeline_strategy` (or imports one of those).
+strategy when a Trainer asks for it) whichever of this package and ``lightning.pytorch`` is imported first: at once
+if Lightning is already imported, else right after ``lightning.pytorch`` finishes importing (a one-shot import hook
+that leaves ``sys.meta_path`` at that import and gives the module its own loader back), and by every part of the
+package that imports Lightning (``lightning_memkit.callbacks``, ``.plugins``, ``.strategies``, ``memkit``'s
+configs). Importing the package, or its pure-torch parts, never imports Lightning.
 
 Example::
 
@@ -20,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.abc
 import sys
 from typing import Any
 
@@ -106,5 +108,49 @@ def _pipeline_strategy(**kwargs: Any) -> Any:
     return MemkitPipelineStrategy(**kwargs)
 
 
+class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """One-shot ``sys.meta_path`` hook: once ``lightning.pytorch`` has executed, register the strategy.
+
+    It leaves ``sys.meta_path`` as soon as ``lightning.pytorch`` is looked up, finds its spec with the other finders,
+    stands in as its loader for the one ``exec_module`` call and gives the module its own loader back.
+    """
+
+    target = "lightning.pytorch"
+
+    def __init__(self) -> None:
+        self._loader: Any = None
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.target or self._loader is not None:
+            return None
+        self.uninstall()
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec  # not a loader that can be stood in for: the import goes on as it would
+        self._loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        loader = self._loader
+        module.__loader__ = module.__spec__.loader = loader  # the module keeps its own loader
+        loader.exec_module(module)
+        register_pipeline_strategy()
+
+    def uninstall(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
 if "lightning.pytorch" in sys.modules:
     register_pipeline_strategy()
+elif not any(type(f).__name__ == "_RegisterAfterImport" for f in sys.meta_path):  # one hook per interpreter
+    sys.meta_path.insert(0, _RegisterAfterImport())
