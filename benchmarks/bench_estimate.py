@@ -106,8 +106,9 @@ def model_factory(case: Case) -> Callable[[], torch.nn.Module]:
         return lambda: TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=SEQ, loss=loss)
     from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
 
-    # a composed QLoRA case: built in bf16, as memkit estimate builds a --plugin run (a bf16 checkpoint loaded)
-    dtype = torch.bfloat16 if case.layers != 2 and "qlora" in case.features else torch.float32
+    # a QLoRA case: built in bf16, as memkit estimate builds a --plugin run (a bf16 checkpoint loaded; the plugin
+    # keeps what it does not quantize as loaded)
+    dtype = torch.bfloat16 if "qlora" in case.features else torch.float32
 
     def build() -> torch.nn.Module:
         model = tiny_hf_causal_lm(case.family, seed=0, hidden_size=64, num_layers=case.layers, vocab_size=VOCAB,
