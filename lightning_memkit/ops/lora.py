@@ -88,9 +88,7 @@ class _LowRankUpdate(torch.autograd.Function):
                             rows.new_empty((count - 1) * step, b.shape[1], dtype=x.dtype))
                 with stands_for(count - 1):
                     piece(i)
-                del hs[-1], outs[-1]
-                hs.append(kept[0])
-                outs.append(kept[1])
+                hs[-1], outs[-1] = kept  # the standing piece gives way to the blocks it stands for
                 i += (count - 1) * step
             piece(i)
         ctx.save_for_backward(x, a, b, _joined(hs, rows, a.shape[1], torch.float32))

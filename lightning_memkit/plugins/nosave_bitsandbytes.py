@@ -103,9 +103,10 @@ class _NoSave4bitMixin(NoSaveLinearMixin):
         """Lightning's steps on any device, from the weight as loaded, in its own dtype (Lightning's own quantize a
         float16 copy, on CUDA only): the packed bytes and quant state transformers' ``BitsAndBytesConfig`` makes of
         the base loaded in that dtype, so adapters saved by peft or exported meet the base they were trained on.
-        The dtype is kept as ``source_dtype``, the dtype to load the base in."""
-        self.source_dtype = weight.dtype
-        w = weight.contiguous().to(device=device or torch.device("cuda"))
+        The dtype is kept as ``source_dtype``, the dtype to load the base in; a later weight (a state dict's, loaded
+        into the converted layer) is cast to it first, as ``load_state_dict`` casts into a parameter's dtype."""
+        self.source_dtype = getattr(self, "source_dtype", None) or weight.dtype
+        w = weight.contiguous().to(device=device or torch.device("cuda"), dtype=self.source_dtype)
         w_4bit, quant_state = _fabric_bnb._import_bitsandbytes().functional.quantize_4bit(
             w,
             blocksize=params4bit.blocksize,

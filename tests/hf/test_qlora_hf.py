@@ -371,3 +371,15 @@ def test_the_demo_model_is_built_in_its_dtype_and_the_plugin_keeps_it():
     assert {p.dtype for p in module.model.parameters() if not p.requires_grad} == {torch.bfloat16, torch.uint8}
     with pytest.raises(ValueError, match=r"HFCausalLM\(dtype='int8'\): must be one of 'float32', 'bfloat16'"):
         HFCausalLM(dtype="int8")
+
+
+def test_a_float32_state_dict_loaded_into_a_converted_bf16_model_is_quantized_as_the_model_loaded_its_own():
+    """The state dict's weights are cast to the dtype the layers were loaded in before they are quantized again (as
+    ``load_state_dict`` casts into a parameter's dtype): the packed bytes of converting the bf16 model itself."""
+    float32 = tiny_hf_causal_lm("llama", seed=0)
+    direct = _convert(copy.deepcopy(float32).to(torch.bfloat16), dtype=torch.bfloat16)
+    loaded = _convert(tiny_hf_causal_lm("llama", seed=1, dtype=torch.bfloat16), dtype=torch.bfloat16)
+    loaded.load_state_dict(float32.state_dict(), strict=False)
+    mine, theirs = loaded.state_dict(), direct.state_dict()
+    packed = [k for k, v in theirs.items() if v.dtype == torch.uint8]
+    assert packed and all(torch.equal(mine[k], theirs[k]) for k in packed)
