@@ -399,14 +399,10 @@ class MemoryBudget(Callback):
             allow = [a for a in allow if a != "micro_batch"]
         plugin = trainer.precision_plugin
         plugin = plugin if isinstance(plugin, import_object(lever("quantization").plugin)) else None
-        levers = {x.name: x.read_trainer(trainer) for x in LEVERS if x.name in _READ_FROM_TRAINER}
-        run = ModuleRun(pl_module, batch, micro_batch=self._split.max_rows,
-                         precision=lever("precision").read_trainer(trainer),
-                         checkpoint=lever("recompute").read_trainer(trainer),
-                         policy="auto" if ac is None else ac.policy,
-                         fused_loss=lever("fused_loss").read_trainer(trainer),
+        current = {x.name: x.read_trainer(trainer) for x in LEVERS}  # the plan the Trainer runs now
+        run = ModuleRun(pl_module, batch, levers=current, policy="auto" if ac is None else ac.policy,
                          accumulate=int(trainer.accumulate_grad_batches), allow=allow, plugin=plugin,
-                         target=trainer.strategy.root_device.type, keep=(trainer,), levers=levers,
+                         target=trainer.strategy.root_device.type, keep=(trainer,),
                          refusals=_refusals(trainer, pl_module, allow))
         for name, why in run.off_levers().items():
             _say(f"{_OWNER}: the {name} lever is off: {why}")
@@ -738,9 +734,6 @@ def check_budget(budget: Any) -> int | float:
 
 def _say(line: str) -> None:
     rank_zero_info(line)
-
-
-_READ_FROM_TRAINER = ("offload_activations", "optimizer_in_backward", "offload_optimizer", "optimizer_8bit")
 
 
 def _refusals(trainer: Trainer, pl_module: LightningModule, allow: Sequence[str]) -> dict[str, str]:

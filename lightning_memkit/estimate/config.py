@@ -17,7 +17,6 @@ from typing import Any
 from lightning_memkit.common.class_paths import class_name
 from lightning_memkit.common.errors import ConfigError
 from lightning_memkit.config.lightning_cli import instantiate, parse_config
-from lightning_memkit.estimate.hf import hf_patches
 from lightning_memkit.estimate.step import (
     PRECISIONS,
     MemoryEstimate,
@@ -25,8 +24,9 @@ from lightning_memkit.estimate.step import (
     estimate_training_memory,
     step_loss,
 )
+from lightning_memkit.estimate.step_spec import StepSpec
 
-__all__ = ["config_features", "estimate_from_config", "estimate_parsed_config"]
+__all__ = ["config_features", "config_plan", "config_step", "estimate_from_config", "estimate_parsed_config"]
 
 
 def config_features(trainer: dict[str, Any]) -> dict[str, Any]:
@@ -67,16 +67,37 @@ def _config_checkpoint(callbacks: list[Any]) -> dict[str, Any]:
     return {"checkpoint": mode, "policy": args.get("policy") or "auto"}
 
 
-def _lever_spec(trainer: dict[str, Any]) -> Any:
-    """The fake-step settings of the levers a config's trainer reads itself (the optimizer-state callbacks)."""
-    from lightning_memkit.estimate.levers import LEVERS, StepSpec
+def config_plan(parsed: dict[str, Any], features: dict[str, Any] | None = None) -> Any:
+    """The plan a parsed config runs, lever by lever: what :func:`config_features` reads, the data module's batch
+    size as the micro-batch, and each lever that reads its own setting (``read_config``: the optimizer-state
+    callbacks, the activation offload)."""
+    from lightning_memkit.estimate.levers import LEVERS, Plan
 
-    spec = StepSpec()
-    for lever in LEVERS:
-        choice = lever.read_config(trainer)
-        if choice is not None:
-            lever.to_step(choice, spec)
-    return spec
+    trainer = parsed.get("trainer") or {}
+    features = features or config_features(trainer)
+    plugin = features["plugin"]
+    batch_size = int(((parsed.get("data") or {}).get("init_args") or {}).get("batch_size") or 0)
+    plan = Plan(precision=features["precision"], quantization=None if plugin is None else f"{plugin.mode}-lora",
+                recompute=features["checkpoint"], fused_loss=features["fused"], micro_batch=batch_size)
+    return plan.replace(**{x.name: x.read_config(trainer) for x in LEVERS if x.read_config(trainer) is not None})
+
+
+def config_step(parsed: dict[str, Any]) -> StepSpec:
+    """The fake step of a parsed config: its plugin (as built from the config), the blocks its
+    ``ActivationCheckpointing`` recomputes, its accumulation and device, then each lever's choice of its plan
+    (:func:`config_plan`) entered as for any plan."""
+    from lightning_memkit.estimate.levers import LEVERS
+
+    trainer = parsed.get("trainer") or {}
+    features = config_features(trainer)
+    plugin = features["plugin"]
+    plan = config_plan(parsed, features)
+    step = StepSpec(plugin=None if plugin is None else (lambda: plugin), policy=features["policy"],
+                    rows=plan["micro_batch"], zero_grad="accumulate" if features["accumulate"] else "after_forward",
+                    target="cpu" if trainer.get("accelerator") == "cpu" else "cuda")
+    for x in LEVERS:
+        x.to_step(plan[x.name], step)
+    return step
 
 
 class _Batches:
@@ -118,21 +139,10 @@ def estimate_parsed_config(parsed: dict[str, Any]) -> MemoryEstimate:
     """:func:`estimate_from_config` of a config already parsed (:func:`~lightning_memkit.config.parse_config`)."""
 
     trainer = parsed.get("trainer") or {}
-    features = config_features(trainer)
+    step = config_step(parsed)
     batches = _Batches(parsed["data"])
     if trainer.get("accelerator") not in ("cpu", None):  # the dataset stays in host memory: not counted
         batches.start()
-    mode = features["checkpoint"]
-    spec = _lever_spec(trainer)
-    patches = [*hf_patches(mode is not None, features["fused"]), *spec.patches]
-    optimizer = configured_optimizer
-    for wrap in spec.optimizer:
-        optimizer = wrap(optimizer)
     model_entry = parsed["model"]
     return estimate_training_memory(lambda: instantiate(model_entry), batches, loss_fn=step_loss,
-                                    optimizer=optimizer, precision=features["precision"],
-                                    checkpoint=features["policy"] if mode else None, checkpoint_mode=mode or "full",
-                                    patches=patches, plugin=features["plugin"],
-                                    zero_grad="accumulate" if features["accumulate"] else "after_forward",
-                                    target="cpu" if trainer.get("accelerator") == "cpu" else "cuda")
-
+                                    optimizer=configured_optimizer, step=step)

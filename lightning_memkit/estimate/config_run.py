@@ -35,7 +35,7 @@ class ConfigRun(LeverRun):
     def __init__(self, config: str | Path, overrides: list[str] | tuple[str, ...] = (),
                  allow: Sequence[str] | None = None):
         from lightning_memkit.config.lightning_cli import parse_config
-        from lightning_memkit.estimate.config import config_features
+        from lightning_memkit.estimate.config import config_features, config_plan
 
         self.allow = check_allow(allow)
         self.config = Path(config)
@@ -48,16 +48,12 @@ class ConfigRun(LeverRun):
         self.accumulate = int(trainer.get("accumulate_grad_batches") or 1)
         plugin = features["plugin"]
         self.plugin_entry = (trainer.get("plugins") or [None])[0] if plugin is not None else None
-        mode = None if plugin is None else f"{plugin.mode}-lora"
-        self.base = Plan(precision=features["precision"], quantization=mode,
-                         recompute=features["checkpoint"], fused_loss=features["fused"], micro_batch=self.batch_size)
+        self.base = config_plan(self.parsed, features)
         self.lora_rank = getattr(plugin, "lora_rank", 0)
         self.plugin_dtype = getattr(plugin, "dtype", None)
         self.target = "cpu" if trainer.get("accelerator") == "cpu" else "cuda"
         self.precision_fixed = plugin is not None
         self.has_causal_lm, self.optimizer_name = _model_facts(self.parsed["model"])
-        self.base = self.base.replace(**{x.name: x.read_config(trainer) for x in LEVERS
-                                         if x.read_config(trainer) is not None})
 
     def compute_dtype(self, plan: Plan) -> str:
         if self.plugin_dtype is not None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_memkit.estimate.levers import Plan, lever
 from lightning_memkit.estimate.runs import LeverRun, check_allow
+from lightning_memkit.estimate.step_spec import StepSpec
 
 __all__ = ["HFRun"]
 
@@ -35,9 +36,13 @@ class HFRun(LeverRun):
                  optimizer: str = "adamw", activation_checkpointing: bool | str = False, fused_loss: bool = False,
                  plugin: str | None = None, lora_rank: int = 16, device: str = "cuda",
                  allow: Sequence[str] | None = None):
-        from lightning_memkit.estimate.hf import checkpoint_mode
+        from lightning_memkit.estimate.hf_step import check_choices, checkpoint_mode
         from lightning_memkit.estimate.inputs import check_positions, check_tokens, read_hf_config
+        from lightning_memkit.estimate.levers.quantization import qlora_plugin
 
+        check_choices(precision=precision, optimizer=optimizer, device=device)
+        mode = checkpoint_mode(activation_checkpointing)
+        qlora_plugin(plugin, precision, lora_rank)
         seq_len, batch_size = check_tokens(seq_len, batch_size)
         self.allow = check_allow(allow)
         self.config = read_hf_config(path)  # checked before the first estimate
@@ -46,22 +51,24 @@ class HFRun(LeverRun):
         self.device, self.target, self.optimizer_name = device, device, optimizer
         self.batch_size = batch_size
         self.base = Plan(precision=precision, quantization=plugin,
-                         recompute=checkpoint_mode(activation_checkpointing), fused_loss=bool(fused_loss),
+                         recompute=mode, fused_loss=bool(fused_loss),
                          micro_batch=batch_size)
 
-    def estimate(self, plan: Plan) -> Any:
-        from lightning_memkit.estimate.hf import estimate_from_hf_config, estimate_hf_pipeline
+    def new_step(self) -> StepSpec:
+        from lightning_memkit.estimate.hf_step import decoder_layer_policy
 
-        spec = self.step_spec(plan)
-        kwargs = dict(seq_len=self.seq_len, precision=spec.precision, optimizer=self.optimizer,
-                      activation_checkpointing=spec.recompute or False, fused_loss=spec.fused_loss)
-        if spec.stages > 1:
-            return estimate_hf_pipeline(self.path, spec.stages, microbatches=self.batch_size,
-                                        batch_size=self.batch_size, **kwargs)
-        return estimate_from_hf_config(self.path, batch_size=spec.rows, plugin=spec.plugin,
-                                       lora_rank=self.lora_rank, accumulate=spec.rows < self.batch_size,
-                                       device=self.device, patches=spec.patches, optimizer_wraps=spec.optimizer,
-                                       **kwargs)
+        step = super().new_step()
+        step.policy, step.lora_rank = decoder_layer_policy, self.lora_rank  # recomputed: the decoder layers
+        return step
+
+    def estimate(self, plan: Plan) -> Any:
+        from lightning_memkit.estimate.hf_step import estimate_hf_step, estimate_pipeline_step
+
+        step = self.step_spec(plan)
+        if step.world.pipeline > 1:
+            return estimate_pipeline_step(self.config, step, microbatches=self.batch_size, seq_len=self.seq_len,
+                                          batch_size=self.batch_size, optimizer=self.optimizer)
+        return estimate_hf_step(self.config, step, seq_len=self.seq_len, optimizer=self.optimizer)
 
     def pipelines(self) -> Iterator[Plan]:
         """Pipeline plans with every single-device feature on (no quantization: not estimated with stages), for the

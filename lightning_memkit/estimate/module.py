@@ -49,6 +49,7 @@ from lightning_memkit.estimate.step import (
     estimate_training_memory,
     step_loss,
 )
+from lightning_memkit.estimate.step_spec import StepSpec
 
 __all__ = ["AXES", "ModuleRun", "batch_rows", "batch_tensors", "fake_copy", "micro_batch"]
 
@@ -118,7 +119,8 @@ class ModuleRun(LeverRun):
         keep: objects the fake copy shares instead of copying (the Trainer, data).
         plugin: a precision plugin the Trainer applies (``NoSaveBitsandbytesPrecision``), estimated as applied.
         target: ``"cpu"`` or ``"cuda"`` (:func:`~lightning_memkit.estimate.step.estimate_training_memory`).
-        levers: the choices of other levers the run already makes (``{"optimizer_in_backward": True}``).
+        levers: the choices the run already makes, lever by lever (``{"optimizer_in_backward": True}``; a Trainer's
+            whole current plan, as ``MemoryBudget`` reads it from the levers); they override the arguments above.
         refusals: lever name -> why the run cannot pull it (the Trainer's settings; one line each).
     """
 
@@ -130,6 +132,9 @@ class ModuleRun(LeverRun):
         bad = [a for a in allow if a not in AXES]
         if bad:
             raise ValueError(f"{_OWNER}(allow=...): {bad} not axes; allowed: {', '.join(AXES)}")
+        given = {"precision": precision, "recompute": checkpoint, "fused_loss": fused_loss,
+                 "micro_batch": micro_batch, **(levers or {})}
+        precision, fused_loss = given["precision"], bool(given["fused_loss"])
         if precision not in PRECISIONS:
             raise ValueError(f"{_OWNER}(precision=...): {precision!r} is not estimated; allowed: "
                              f"{', '.join(PRECISIONS)}")
@@ -143,13 +148,12 @@ class ModuleRun(LeverRun):
         self.module, self.batch, self.allow, self.plugin, self.target = module, batch, tuple(allow), plugin, target
         self.policy, self.accumulate, self.keep = policy, accumulate, tuple(keep)
         self.batch_size = batch_rows(batch) or 0
-        split = min(micro_batch or self.batch_size, self.batch_size)
+        split = min(given["micro_batch"] or self.batch_size, self.batch_size)
         self.has_causal_lm = fused_loss or _has_causal_lm(module)
         self.precision_fixed = plugin is not None
         self.splits_inside_step = True
         self.refusals = dict(refusals or {})
-        self.base = Plan({**(levers or {}), "precision": precision, "recompute": checkpoint,
-                          "fused_loss": bool(fused_loss), "micro_batch": split})
+        self.base = Plan({**given, "fused_loss": fused_loss, "micro_batch": split})
 
     def compute_dtype(self, plan: Plan) -> str:
         dtype = getattr(self.plugin, "dtype", None)
@@ -167,28 +171,24 @@ class ModuleRun(LeverRun):
         except Exception:  # noqa: BLE001 - only narrows the levers offered; the estimate reports the error itself
             return None
 
+    def new_step(self) -> StepSpec:
+        step = super().new_step()
+        step.policy = self.policy
+        if self.plugin is not None:
+            plugin = self.plugin
+            step.plugin = lambda: plugin  # the Trainer's: estimated as it converts
+        return step
+
     def estimate(self, plan: Plan) -> MemoryEstimate:
         """The predicted step of the module with ``plan`` applied."""
-        from lightning_memkit.estimate.hf import hf_patches
-
-        spec = self.step_spec(plan)
-        rows = spec.rows or self.batch_size
-        split = rows < self.batch_size
-        batch = micro_batch(self.batch, chunk_rows(self.batch_size, rows)[0][1]) if split else self.batch
-        accumulating = self.accumulate > 1 or split
-        optimizer = configured_optimizer
-        for wrap in spec.optimizer:
-            optimizer = wrap(optimizer)
+        step = self.step_spec(plan)
+        split = step.rows < self.batch_size
+        batch = micro_batch(self.batch, chunk_rows(self.batch_size, step.rows)[0][1]) if split else self.batch
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return estimate_training_memory(
-                lambda: fake_copy(self.module, self.keep), lambda: batch, loss_fn=step_loss,
-                optimizer=optimizer, precision=spec.precision,
-                checkpoint=self.policy if spec.recompute else None, checkpoint_mode=spec.recompute or "full",
-                patches=[*hf_patches(spec.recompute is not None and self.has_causal_lm, spec.fused_loss),
-                         *spec.patches],
-                plugin=self.plugin, zero_grad="accumulate" if accumulating else "after_forward", target=self.target,
-                warmup="synthetic")
+            return estimate_training_memory(lambda: fake_copy(self.module, self.keep), lambda: batch,
+                                            loss_fn=step_loss, optimizer=configured_optimizer, step=step,
+                                            warmup="synthetic")
 
 
 def _has_causal_lm(module: nn.Module) -> bool:

@@ -118,9 +118,15 @@ class LeverRun:
         """The dtype of the step's matmuls under ``plan`` (its precision's)."""
         return _DTYPES.get(plan["precision"], "float32")
 
+    def new_step(self) -> StepSpec:
+        """The fake step before any lever's choice: what the run itself says (its device, its batch's rows, its
+        accumulation); a run kind adds its own (a plugin it holds, the blocks it recomputes, its LoRA rank)."""
+        return StepSpec(target=self.target, rows=self.batch_size,
+                        zero_grad="accumulate" if self.accumulate > 1 else "after_forward")
+
     def step_spec(self, plan: Plan) -> StepSpec:
-        """The fake step's settings for ``plan``."""
-        spec = StepSpec()
+        """The fake step of ``plan``: :meth:`new_step`, then each lever's choice entered in the registry's order."""
+        spec = self.new_step()
         for x in LEVERS:
             x.to_step(plan[x.name], spec)
         return spec

@@ -55,6 +55,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from lightning_memkit.common.step_output import training_loss
 from lightning_memkit.common.validation import check_bool, check_choice
 from lightning_memkit.estimate.fast_ops import FastOps
+from lightning_memkit.estimate.step_spec import StepSpec
 from lightning_memkit.estimate.trace import (
     CategoryTracker,
     EventLog,
@@ -459,6 +460,7 @@ def estimate_training_memory(
     target: str = "cpu",
     fake_batch: bool = False,
     warmup: str = "step",
+    step: StepSpec | None = None,
 ) -> MemoryEstimate:
     """Predict the per-phase device peak of a steady-state training step; see the module doc.
 
@@ -497,24 +499,40 @@ def estimate_training_memory(
         warmup: ``"step"``: the first step runs for real; ``"synthetic"``: its state (gradients, optimizer state) is
             made directly (about half the work) and checked by the recorded step, which is traced again after a
             real first step where the check fails (:func:`trace_steady_step`): the same bytes either way.
+        step: the whole step as one :class:`~lightning_memkit.estimate.step_spec.StepSpec` (a plan's, with its
+            levers' patches, transforms and optimizer wrappers), in place of ``precision``, ``checkpoint``,
+            ``checkpoint_mode``, ``patches``, ``zero_grad``, ``plugin`` and ``target`` (left at their defaults).
 
     Raises:
         TypeError / ValueError: a bad argument, named, before anything is built.
     """
-    _check_args(model_factory, batch_factory, loss_fn, precision, checkpoint, patches, expert_balance)
-    check_choice(zero_grad, "zero_grad", ZERO_GRAD, owner=_OWNER)
-    check_choice(checkpoint_mode, "checkpoint_mode", CHECKPOINT_MODES, owner=_OWNER)
-    check_choice(target, "target", TARGETS, owner=_OWNER)
+    if step is None:
+        check_choice(checkpoint_mode, "checkpoint_mode", CHECKPOINT_MODES, owner=_OWNER)
+        step = StepSpec(precision=precision, plugin=None if plugin is None else (lambda: plugin),
+                        recompute=checkpoint_mode if checkpoint is not None else None, policy=checkpoint,
+                        patches=list(patches), zero_grad=zero_grad, target=target)
+    elif (precision, checkpoint, tuple(patches), zero_grad, plugin, checkpoint_mode, target) != _STEP_DEFAULTS:
+        raise ValueError(f"{_OWNER}: pass the step's settings in step= or as keywords, not both")
+    else:
+        plugin = step.make_plugin()
+    policy = step.policy if step.recompute else None
+    _check_args(model_factory, batch_factory, loss_fn, step.precision, policy, step.patches, expert_balance)
+    check_choice(step.zero_grad, "zero_grad", ZERO_GRAD, owner=_OWNER)
+    check_choice(step.recompute or "full", "checkpoint_mode", CHECKPOINT_MODES, owner=_OWNER)
+    check_choice(step.target, "target", TARGETS, owner=_OWNER)
     check_bool(fake_batch, "fake_batch", owner=_OWNER)
     check_choice(warmup, "warmup", WARMUPS, owner=_OWNER)
-    _check_plugin(plugin, precision)
+    _check_plugin(plugin, step.precision)
     make_optimizer, opt_name = resolve_optimizer(optimizer, optimizer_kwargs)
+    make_optimizer, opt_name = step.wrap_optimizer(make_optimizer, opt_name)
     start = time.perf_counter()
     tracing = trace_steady_step if warmup == "synthetic" else trace_training_step
-    trace = tracing(model_factory, batch_factory, make_optimizer, loss_fn=loss_fn, precision=precision,
-                    checkpoint=(checkpoint, checkpoint_mode), patches=patches, zero_grad=zero_grad, plugin=plugin,
-                    target=target, fake_batch=fake_batch)
+    trace = tracing(model_factory, batch_factory, make_optimizer, step, loss_fn=loss_fn, fake_batch=fake_batch,
+                    plugin=plugin)
     return trace.estimate(opt_name, time.perf_counter() - start)
+
+
+_STEP_DEFAULTS = ("32-true", None, (), "after_forward", None, "full", "cpu")
 
 
 @dataclass
@@ -556,14 +574,15 @@ WARMUPS = ("step", "synthetic")
 
 
 def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],
-                        make_optimizer: Callable[[nn.Module], Any], *, loss_fn: Any = None,
-                        precision: str = "32-true", checkpoint: tuple[PolicyLike | None, str] = (None, "full"),
-                        patches: Sequence[Callable[[nn.Module], Any]] = (), zero_grad: str = "after_forward",
-                        plugin: Any = None, target: str = "cpu", fake_batch: bool = False, log: bool = False,
-                        warmup: str = "step") -> StepTrace:
-    """The two steps of :func:`estimate_training_memory` (its arguments already checked; ``checkpoint`` is
-    ``(policy, mode)``). ``log``: keep an :class:`~lightning_memkit.estimate.trace.EventLog` of every allocation of
-    the recorded phases, filed by decoder layer, for :mod:`~lightning_memkit.estimate.compose`.
+                        make_optimizer: Callable[[nn.Module], Any], step: StepSpec | None = None, *,
+                        loss_fn: Any = None,
+                        fake_batch: bool = False, log: bool = False, warmup: str = "step",
+                        plugin: Any = None) -> StepTrace:
+    """The two steps of :func:`estimate_training_memory` (its arguments already checked; ``make_optimizer`` already
+    wrapped by the step's levers), as ``step`` says: its precision, plugin (``plugin``: one made already, else the
+    step's own), recomputation, patches, model transforms, ``zero_grad`` and target (``None``: a plain step).
+    ``log``: keep an :class:`~lightning_memkit.estimate.trace.EventLog` of every allocation of the recorded phases,
+    filed by decoder layer, for :mod:`~lightning_memkit.estimate.compose`.
 
     ``warmup``: ``"step"`` runs the first step for real; ``"synthetic"`` (half the work) leaves what it would
     leave directly: a gradient for every trainable parameter (the same bytes autograd makes) and the optimizer's
@@ -572,10 +591,15 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
     gradients survives it that was not alive before it (state a first forward creates and keeps); else
     :class:`WarmupMismatch` is raised (trace again with ``warmup="step"``)."""
     check_choice(warmup, "warmup", WARMUPS, owner="trace_training_step")
+    step = step or StepSpec()
+    plugin = step.make_plugin() if plugin is None else plugin
+    precision, zero_grad, target = step.precision, step.zero_grad, step.target
     with (fake_tensors() as gaps, CategoryTracker() as tracker, FastOps() as fast, contextlib.ExitStack() as stack):
         events = tracker.log = EventLog({}) if log else None
         tracker.start_phase("load", "weights")
         model = _build_logged(model_factory, precision, plugin, tracker)
+        for transform in step.transforms:
+            model = transform(model)
         tracker.start_phase(None, "transient")
         names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         clock = ModuleClock(names)
@@ -591,8 +615,8 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
             events.layer_of.update({f"{name}.{sub}" if sub else name: j for j, (name, block) in enumerate(blocks)
                                     for sub, _ in block.named_modules()})
             run.before_step = lambda b=blocks, o=optim: _claim_layers(events, b, o)
-        head, tail = _install(run, clock, checkpoint, stack)
-        features = [*head, *_patch(model, patches, stack), *tail]
+        head, tail = _install(run, clock, step.checkpoint, stack)
+        features = [*head, *_patch(model, step.patches, stack), *tail]
         if warmup == "synthetic":
             warmed = _synthetic_warmup(run)
         else:
@@ -630,13 +654,14 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
 
 
 def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],
-                      make_optimizer: Callable[[nn.Module], Any], **kwargs: Any) -> StepTrace:
+                      make_optimizer: Callable[[nn.Module], Any], step: StepSpec | None = None,
+                      **kwargs: Any) -> StepTrace:
     """:func:`trace_training_step` after a synthetic warm-up (half the work), traced again after a real first step
     where the recorded step is not a steady state (:class:`WarmupMismatch`). ``model_factory`` may be called twice."""
     try:
-        return trace_training_step(model_factory, batch_factory, make_optimizer, warmup="synthetic", **kwargs)
+        return trace_training_step(model_factory, batch_factory, make_optimizer, step, warmup="synthetic", **kwargs)
     except WarmupMismatch:
-        return trace_training_step(model_factory, batch_factory, make_optimizer, **kwargs)
+        return trace_training_step(model_factory, batch_factory, make_optimizer, step, **kwargs)
 
 
 def _grad_record(p: torch.Tensor) -> tuple[int, torch.dtype]:

@@ -140,7 +140,7 @@ def _gpt2() -> dict:
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Building a model (one device or pipeline stages) fails the test: the inputs are checked before."""
-    import lightning_memkit.estimate.hf as estimate_cli
+    import lightning_memkit.estimate.hf_step as estimate_cli
     import lightning_memkit.estimate.step as estimate
 
     def fail(*_args, **_kwargs):

@@ -17,12 +17,13 @@ from lightning_memkit.estimate.hf import (
     _hf_factories,
     checkpoint_mode,
     estimate_from_hf_config,
-    hf_patches,
+    fused_linear_cross_entropy_inside,
     plugin_dtype,
     qlora_plugin,
 )
 from lightning_memkit.estimate.step import estimate_training_memory
 from lightning_memkit.estimate.trace import CategoryTracker, FlopCount, fake_tensors
+from lightning_memkit.hf.layers import kv_cache_off
 from lightning_memkit.optim import host_offload, in_backward
 
 LAYERS = 8  # the smallest depth composed from FIRST_DEPTHS with a layer of each position left over
@@ -57,7 +58,9 @@ def full_trace(path: Path, *, precision: str = "bf16-true", optimizer: str = "ad
                                     dtype=plugin_dtype(precision) if qlora else None)  # as memkit estimate builds it
     return estimate_training_memory(model, batch, optimizer=optimizer, precision="32-true" if qlora else precision,
                                     checkpoint="auto" if mode else None, checkpoint_mode=mode or "full",
-                                    patches=hf_patches(bool(mode), fused_loss), plugin=qlora,
+                                    patches=[*([kv_cache_off] if mode else []),
+                                             *([fused_linear_cross_entropy_inside] if fused_loss else [])],
+                                    plugin=qlora,
                                     zero_grad="accumulate" if accumulate else "after_forward", target=device,
                                     fake_batch=True)
 

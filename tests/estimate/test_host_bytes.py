@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_memkit.demo import TinyLM
 from lightning_memkit.estimate.step import estimate_training_memory, resolve_optimizer, trace_training_step
+from lightning_memkit.estimate.step_spec import StepSpec
 from lightning_memkit.estimate.trace import CategoryTracker
 from lightning_memkit.measure.live_peak import HOST, host_memory, note_host
 from lightning_memkit.memory import LivePeak, checkpoint_modules
@@ -89,8 +90,8 @@ def test_composed_step_carries_the_host_bytes(tmp_path):
 
     def trace(cfg, log=False):
         return trace_training_step(lambda: transformers.AutoModelForCausalLM.from_config(cfg),
-                                   lambda: {"input_ids": ids, "labels": ids}, make_optimizer, precision="bf16-true",
-                                   patches=[offload_blocks], fake_batch=True, log=log)
+                                   lambda: {"input_ids": ids, "labels": ids}, make_optimizer,
+                                   StepSpec(precision="bf16-true", patches=[offload_blocks]), fake_batch=True, log=log)
 
     composed, note = compose_step(config, lambda cfg: trace(cfg, log=True))
     full = trace(config)

@@ -75,9 +75,24 @@ def test_order_cost_and_words():
 
 
 def test_a_plan_enters_the_fake_step_lever_by_lever():
+    """Each lever adds its own to the step the run seeds: the plugin (built per model, in the precision's dtype),
+    the KV cache off and the fused loss as patches, the micro-step of an accumulation, the world."""
+    import torch
+
+    from lightning_memkit.estimate.levers.fused_loss import fused_linear_cross_entropy_inside
+    from lightning_memkit.estimate.step_spec import World
+    from lightning_memkit.hf.layers import kv_cache_off
+
     spec = _Run().step_spec(Plan(precision="bf16-true", quantization="nf4-lora", recompute="selective",
-                                 fused_loss=True, micro_batch=2, stages=1))
-    assert spec == StepSpec(precision="bf16-true", plugin="nf4-lora", recompute="selective", fused_loss=True, rows=2)
+                                 fused_loss=True, micro_batch=2, stages=2))
+    assert (spec.precision, spec.dtype, spec.recompute, spec.fused_loss, spec.rows, spec.zero_grad, spec.world) == (
+        "32-true", torch.bfloat16, "selective", True, 2, "accumulate", World(pipeline=2))
+    assert spec.patches == [kv_cache_off, fused_linear_cross_entropy_inside] and spec.optimizer == []
+    plugin, other = spec.make_plugin(), spec.make_plugin()
+    assert plugin is not other and (plugin.mode, plugin.dtype, plugin.lora_rank) == ("nf4", torch.bfloat16, 16)
+    plain = _Run().step_spec(Plan(micro_batch=8))
+    assert plain == StepSpec(rows=8) and plain.world.devices == 1
+    assert [x.devices(2) for x in LEVERS if x.kind == "scale"] == [2]
 
 
 @pytest.mark.parametrize("kind", ["hf", "module"])

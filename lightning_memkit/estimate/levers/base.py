@@ -25,30 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_memkit.estimate.step_spec import StepSpec
+
 __all__ = ["KINDS", "Lever", "StepCost", "StepSpec", "TrainerEdit", "Written", "find_callback"]
 
 KINDS = ("work", "free", "scale")  # adds work (ordered by it) / lowers memory for free / changes the device count
-
-
-@dataclass
-class StepSpec:
-    """How the fake step a plan is estimated on runs: what each run kind turns into its estimate call.
-
-    ``plugin``: a quantization mode with ``-lora`` (``"nf4-lora"``) or ``None``; ``recompute``: ``None``,
-    ``"selective"`` or ``"full"``; ``rows``: the micro-batch (sequences per forward); ``patches``: callables
-    ``model -> context manager`` entered around the step; ``optimizer``: callables ``factory -> factory`` applied to
-    the optimizer factory, in order.
-    """
-
-    precision: str = "32-true"
-    plugin: str | None = None
-    recompute: str | None = None
-    fused_loss: bool = False
-    rows: int = 0
-    stages: int = 1
-    steps_in_backward: bool = False
-    patches: list[Callable[[Any], Any]] = field(default_factory=list)
-    optimizer: list[Callable[[Any], Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -177,8 +158,12 @@ class Lever:
         with ``machine``'s balance)."""
         return cost
 
+    def devices(self, choice: Any) -> int:
+        """How many devices ``choice`` needs (a ``"scale"`` lever's choices; the others run on the devices given)."""
+        return 1
+
     def to_step(self, choice: Any, spec: StepSpec) -> None:
-        """Set ``choice`` on the fake step's settings."""
+        """Set ``choice`` on the fake step: its settings, patches, model transforms, optimizer wrappers or world."""
 
     def write_hf(self, plan: Any, run: Any, out: Written) -> None:
         """Write ``plan``'s choice for an HF-config run (a fragment of the user's trainer config)."""
@@ -190,8 +175,8 @@ class Lever:
         """Write ``plan``'s choice, where it differs from the run as built, for a module run."""
 
     def read_trainer(self, trainer: Any) -> Any:
-        """The choice a live Trainer runs with."""
-        return None
+        """The choice a live Trainer runs with (the default: the lever's ``default``, a Trainer not pulling it)."""
+        return self.default
 
     def read_config(self, trainer: dict[str, Any]) -> Any:
         """The choice a parsed config's ``trainer`` section runs with (``None``: read by the config's estimate

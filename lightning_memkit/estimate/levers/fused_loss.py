@@ -8,11 +8,32 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from lightning_memkit.estimate.levers.base import Lever, StepSpec, TrainerEdit, Written, find_callback
 
-__all__ = ["FUSED_LOSS", "FusedLoss"]
+__all__ = ["FUSED_LOSS", "FusedLoss", "fused_linear_cross_entropy_inside"]
+
+
+@contextlib.contextmanager
+def fused_linear_cross_entropy_inside(module: Any) -> Iterator[None]:
+    """:func:`~lightning_memkit.hf.fused_linear_cross_entropy` on the causal LMs the ``FusedLinearCrossEntropy``
+    callback would patch in ``module`` (its ``find_causal_lms``: itself, or those a LightningModule holds): the fake
+    step's fused loss."""
+    from lightning_memkit.common.errors import ConfigError
+    from lightning_memkit.hf import fused_linear_cross_entropy
+    from lightning_memkit.hf.fused_loss import find_causal_lms
+
+    try:
+        models = find_causal_lms(module)
+    except ValueError as err:
+        raise ConfigError(f"fused loss (FusedLinearCrossEntropy, --fused-loss): {err}") from err
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            stack.enter_context(fused_linear_cross_entropy(model))
+        yield
 
 
 class FusedLoss(Lever):
@@ -31,6 +52,8 @@ class FusedLoss(Lever):
 
     def to_step(self, choice: Any, spec: StepSpec) -> None:
         spec.fused_loss = choice
+        if choice:
+            spec.patches.append(fused_linear_cross_entropy_inside)
 
     def write_hf(self, plan: Any, run: Any, out: Written) -> None:
         if plan[self.name] and plan["stages"] == 1:  # a pipeline's last stage fuses its loss itself

@@ -63,7 +63,9 @@ class MicroBatch(Lever):
         return cost.replace(micro=cost.micro * _steps(choice, base))  # the optimizer still steps once
 
     def to_step(self, choice: Any, spec: StepSpec) -> None:
-        spec.rows = choice
+        if choice and spec.rows and choice < spec.rows:  # fewer rows than a batch: one micro-step of several
+            spec.zero_grad = "accumulate"
+        spec.rows = choice or spec.rows
 
     def write_hf(self, plan: Any, run: Any, out: Written) -> None:
         if plan[self.name] != run.batch_size:

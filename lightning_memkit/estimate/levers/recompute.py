@@ -39,7 +39,11 @@ class Recompute(Lever):
         return {"class_path": self.callback, "init_args": {"selective": choice == "selective"}}
 
     def to_step(self, choice: Any, spec: StepSpec) -> None:
+        from lightning_memkit.hf.layers import kv_cache_off
+
         spec.recompute = choice
+        if choice is not None:  # as ActivationCheckpointing does: recomputed layers keep no KV cache
+            spec.patches.append(kv_cache_off)
 
     def write_hf(self, plan: Any, run: Any, out: Written) -> None:
         if plan[self.name] is not None:

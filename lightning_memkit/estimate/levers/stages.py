@@ -12,6 +12,7 @@ over ``S`` plus the bubble ``(S - 1) / M``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from lightning_memkit.estimate.levers.base import Lever, StepCost, StepSpec, Written
@@ -36,8 +37,11 @@ class Stages(Lever):
             return cost
         return cost.scaled((1 + (choice - 1) / run.batch_size) / choice)
 
+    def devices(self, choice: Any) -> int:
+        return choice
+
     def to_step(self, choice: Any, spec: StepSpec) -> None:
-        spec.stages = choice
+        spec.world = dataclasses.replace(spec.world, pipeline=choice)
 
     def write_hf(self, plan: Any, run: Any, out: Written) -> None:
         if plan[self.name] > 1:
@@ -45,9 +49,6 @@ class Stages(Lever):
             out.trainer["strategy"] = {"class_path": STRATEGY,
                                        "init_args": {"schedule": "1f1b", "microbatches": run.batch_size,
                                                      "partition": "memory", "fused_loss": plan["fused_loss"]}}
-
-    def read_trainer(self, trainer: Any) -> Any:
-        return 1
 
 
 STAGES = Stages()
