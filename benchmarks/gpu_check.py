@@ -90,7 +90,7 @@ STEPS: tuple[Step, ...] = (
     _pytest("tests-docs", ["tests/test_docs.py", "tests/test_demo_doc.py", "tests/test_bench_docs.py",
                            "tests/test_bench_levers.py", "tests/test_bench_plans_8b.py"], 25, True),
     _pytest("tests-models", ["tests/hf", "tests/plugins", "tests/estimate", "tests/finetune"], 50, False),
-    _pytest("tests-pipeline", ["tests/pipeline", "tests/strategies", "tests/reliability", "tests/cli",
+    _pytest("tests-pipeline", ["tests/pipeline", "tests/sharding", "tests/strategies", "tests/reliability", "tests/cli",
                                "tests/test_architecture.py", "tests/test_gpu_check.py", "tests/test_import.py",
                                "tests/test_zygote.py", "tests/test_machine_independence.py"], 45,
             False,

@@ -3,12 +3,13 @@
 The public names below are imported on first access (PEP 562), so ``import lightning_memkit`` and the
 pure-torch subpackages (``lightning_memkit.ops``, ``lightning_memkit.memory``) never import Lightning.
 
-``strategy="memkit_pipeline"`` is registered with Lightning's ``StrategyRegistry`` (a factory that imports the
-strategy when a Trainer asks for it) whichever of this package and ``lightning.pytorch`` is imported first: at once
-if Lightning is already imported, else right after ``lightning.pytorch`` finishes importing (a one-shot import hook
-that leaves ``sys.meta_path`` at that import and gives the module its own loader back), and by every part of the
-package that imports Lightning (``lightning_memkit.callbacks``, ``.plugins``, ``.strategies``, ``memkit``'s
-configs). Importing the package, or its pure-torch parts, never imports Lightning.
+``strategy="memkit_pipeline"`` and ``strategy="memkit_fsdp2"`` are registered with Lightning's
+``StrategyRegistry`` (factories that import a strategy when a Trainer asks for it) whichever of this package and
+``lightning.pytorch`` is imported first: at once if Lightning is already imported, else right after
+``lightning.pytorch`` finishes importing (a one-shot import hook that leaves ``sys.meta_path`` at that import and
+gives the module its own loader back), and by every part of the package that imports Lightning
+(``lightning_memkit.callbacks``, ``.plugins``, ``.strategies``, ``memkit``'s configs). Importing the package, or its
+pure-torch parts, never imports Lightning.
 
 Example::
 
@@ -69,14 +70,14 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "StageBoundaryRelease",
     ),
     "lightning_memkit.plugins": ("NoSaveBitsandbytesPrecision",),
-    "lightning_memkit.strategies": ("MemkitPipelineStrategy",),
+    "lightning_memkit.strategies": ("MemkitFSDP2Strategy", "MemkitPipelineStrategy"),
 }
 _LAZY: dict[str, str] = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = sorted(["__version__", "register_pipeline_strategy", *_LAZY])
 
 def _registered(name: str) -> None:
-    if name == "MemkitPipelineStrategy":
+    if name in ("MemkitFSDP2Strategy", "MemkitPipelineStrategy"):
         register_pipeline_strategy()
 
 
@@ -84,28 +85,37 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), after=_registere
 
 
 def register_pipeline_strategy() -> None:
-    """Register ``strategy="memkit_pipeline"`` in Lightning's ``StrategyRegistry`` (idempotent; the strategy's module
-    is imported when a Trainer asks for it).
+    """Register the package's strategies in Lightning's ``StrategyRegistry``: ``"memkit_pipeline"`` and
+    ``"memkit_fsdp2"`` (idempotent; a strategy's module is imported when a Trainer asks for it).
 
     Example::
 
         >>> from lightning_memkit import register_pipeline_strategy
         >>> register_pipeline_strategy()
         >>> from lightning.pytorch.strategies import StrategyRegistry
-        >>> "memkit_pipeline" in StrategyRegistry
-        True
+        >>> "memkit_pipeline" in StrategyRegistry, "memkit_fsdp2" in StrategyRegistry
+        (True, True)
     """
     from lightning.pytorch.strategies import StrategyRegistry
 
     if "memkit_pipeline" not in StrategyRegistry:
         StrategyRegistry.register("memkit_pipeline", _pipeline_strategy,
                                   description="Pipeline parallelism with memory-balanced stages (lightning_memkit)")
+    if "memkit_fsdp2" not in StrategyRegistry:
+        StrategyRegistry.register("memkit_fsdp2", _fsdp2_strategy,
+                                  description="FSDP2 over every rank, each repeated block one unit (lightning_memkit)")
 
 
 def _pipeline_strategy(**kwargs: Any) -> Any:
     from lightning_memkit.strategies.pipeline import MemkitPipelineStrategy
 
     return MemkitPipelineStrategy(**kwargs)
+
+
+def _fsdp2_strategy(**kwargs: Any) -> Any:
+    from lightning_memkit.strategies.fsdp2 import MemkitFSDP2Strategy
+
+    return MemkitFSDP2Strategy(**kwargs)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

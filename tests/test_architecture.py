@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_memkit"
-CORE = ("ops", "measure", "release", "recompute", "loading", "pipeline", "memory", "common", "offload", "optim")
+CORE = ("ops", "measure", "release", "recompute", "loading", "pipeline", "memory", "common", "offload", "optim",
+        "sharding")
 FOLDERS = ("callbacks", "cli", "common", "config", "demo", "estimate", "finetune", "hf", "loading", "measure", "memory",
-           "offload", "optim", "ops", "pipeline", "plugins", "recompute", "release", "strategies")
+           "offload", "optim", "ops", "pipeline", "plugins", "recompute", "release", "sharding", "strategies")
 
 
 def module_name(path: Path) -> str:

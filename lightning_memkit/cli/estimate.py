@@ -27,7 +27,7 @@ from lightning_memkit.estimate.hf import (
     estimate_hf_pipeline,
     qlora_plugin,
 )
-from lightning_memkit.estimate.inputs import InputWarning, check_pipeline, check_tokens, checked
+from lightning_memkit.estimate.inputs import InputWarning, check_devices, check_pipeline, check_tokens, checked
 from lightning_memkit.estimate.step import PRECISIONS, MemoryEstimate
 from lightning_memkit.measure.report import report_console
 
@@ -36,7 +36,7 @@ __all__ = ["main"]
 
 _HF_DEFAULTS = {"seq_len": 2048, "batch_size": 1, "precision": "32-true", "optimizer": "adamw",
                 "activation_checkpointing": False, "fused_loss": False, "plugin": None,
-                "lora_rank": DEFAULT_LORA_RANK, "device": "cuda"}
+                "lora_rank": DEFAULT_LORA_RANK, "device": "cuda", "devices": 1}
 
 
 def _integer(text: str) -> int | str:
@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-plans", type=_integer, default=None, help="with --budget: plans to print (default 3)")
     p.add_argument("--max-estimates", type=_integer, default=None,
                    help="with --budget: stop after this many estimates (default 48; each takes one estimate's time)")
+    p.add_argument("--devices", type=_integer, default=None,
+                   help="devices the run trains on (default 1): each rank's step sharded over them with FSDP2 "
+                        "(memkit_fsdp2); with --budget the search may shard or not")
     p.add_argument("--pipeline", type=_integer, default=None,
                    help="ranks of a memkit_pipeline (1F1B): per-rank peaks of the split it would choose")
     p.add_argument("--microbatches", type=_integer, default=None,
@@ -117,6 +120,7 @@ def _check(args: argparse.Namespace) -> None:
             setattr(args, key, default)
     check_choices(precision=args.precision, device=args.device, optimizer=args.optimizer)
     check_tokens(args.seq_len, args.batch_size)
+    check_devices(args.devices)
     if args.plugin is not None:
         qlora_plugin(args.plugin, args.precision, args.lora_rank)  # raises naming what is allowed
     elif args.config is None and args.lora_rank != DEFAULT_LORA_RANK:
@@ -213,7 +217,7 @@ def _estimate(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
 
         return estimate_from_config(args.config, overrides)
     run = (dict(stages=args.pipeline, microbatches=args.microbatches) if args.pipeline else
-           dict(plugin=args.plugin, lora_rank=args.lora_rank, device=args.device,
+           dict(plugin=args.plugin, lora_rank=args.lora_rank, device=args.device, devices=args.devices,
                 compose=False if args.full_trace else "auto"))
     fn = estimate_hf_pipeline if args.pipeline else estimate_from_hf_config
     return fn(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
@@ -257,7 +261,7 @@ def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
         run = HFRun(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
                     optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
                     fused_loss=args.fused_loss, plugin=args.plugin, lora_rank=args.lora_rank, device=args.device,
-                    allow=_allow(args.allow))
+                    allow=_allow(args.allow), devices=args.devices)
     else:
         run = ConfigRun(args.config, list(overrides), allow=_allow(args.allow))
     result = search_plans(run, args.budget, margin=args.margin, max_plans=args.max_plans,

@@ -61,7 +61,7 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
                             fused_loss: bool = False, plugin: str | None = None,
                             lora_rank: int = DEFAULT_LORA_RANK, accumulate: bool = False,
                             device: str = "cuda", compose: bool | str = "auto", patches: Sequence[Any] = (),
-                            optimizer_wraps: Sequence[Any] = ()) -> MemoryEstimate:
+                            optimizer_wraps: Sequence[Any] = (), devices: int = 1) -> MemoryEstimate:
     """Estimate one training step of the causal LM described by the HF ``config.json`` at ``path``.
 
     The batch is ``input_ids`` and ``labels`` of ``(batch_size, seq_len)``; the loss is the model's own
@@ -83,6 +83,9 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
     (:mod:`~lightning_memkit.estimate.compose`) where that traces fewer layers than the model has, ``True`` wherever
     it can, ``False`` traces the whole model. A composition that fails a check falls back to the whole model; the
     estimate's assumptions say which was done.
+
+    ``devices``: the ranks the run trains on; above 1 the step is one rank's with the model sharded over them by
+    FSDP2 (``memkit_fsdp2``, parameters freed after each unit's forward), estimated under a fake process group.
     """
     from lightning_memkit.estimate.hf_run import HFRun
 
@@ -92,8 +95,8 @@ def estimate_from_hf_config(path: str | Path, seq_len: int = 2048, batch_size: i
         raise ConfigError(f"compose: {compose!r} is not one of True, False, 'auto'")
     run = HFRun(path, seq_len=seq_len, batch_size=batch_size, precision=precision, optimizer=optimizer,
                 activation_checkpointing=activation_checkpointing, fused_loss=fused_loss, plugin=plugin,
-                lora_rank=lora_rank, device=device)  # every input checked before any work
-    step = run.step_spec(run.base)
+                lora_rank=lora_rank, device=device, devices=devices)  # every input checked before any work
+    step = run.step_spec(run.base.replace(sharding="full_shard" if run.devices > 1 else None))
     step.zero_grad = "accumulate" if accumulate else step.zero_grad
     step.patches += patches
     step.optimizer += optimizer_wraps

@@ -35,15 +35,16 @@ class HFRun(LeverRun):
     def __init__(self, path: str | Path, seq_len: int = 2048, batch_size: int = 1, precision: str = "32-true",
                  optimizer: str = "adamw", activation_checkpointing: bool | str = False, fused_loss: bool = False,
                  plugin: str | None = None, lora_rank: int = 16, device: str = "cuda",
-                 allow: Sequence[str] | None = None):
+                 allow: Sequence[str] | None = None, devices: int = 1):
         from lightning_memkit.estimate.hf_step import check_choices, checkpoint_mode
-        from lightning_memkit.estimate.inputs import check_positions, check_tokens, read_hf_config
+        from lightning_memkit.estimate.inputs import check_devices, check_positions, check_tokens, read_hf_config
         from lightning_memkit.estimate.levers.quantization import qlora_plugin
 
         check_choices(precision=precision, optimizer=optimizer, device=device)
         mode = checkpoint_mode(activation_checkpointing)
         qlora_plugin(plugin, precision, lora_rank)
         seq_len, batch_size = check_tokens(seq_len, batch_size)
+        self.devices = check_devices(devices)
         self.allow = check_allow(allow)
         self.config = read_hf_config(path)  # checked before the first estimate
         check_positions(seq_len, self.config, path)

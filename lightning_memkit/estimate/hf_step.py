@@ -32,9 +32,8 @@ from lightning_memkit.estimate.step import (
     TARGETS,
     MemoryEstimate,
     StepTrace,
-    WarmupMismatch,
     resolve_optimizer,
-    trace_training_step,
+    trace_steady_step,
 )
 from lightning_memkit.estimate.step_spec import StepSpec
 
@@ -52,13 +51,9 @@ def estimate_hf_step(config: Any, step: StepSpec, *, seq_len: int, optimizer: st
     make_optimizer, optimizer_name = step.wrap_optimizer(*resolve_optimizer(optimizer, None))
     batch = token_batch(config.vocab_size, seq_len, step.rows)
 
-    def trace(cfg: Any, log: bool) -> StepTrace:
-        try:  # the first step's state made directly (half the work), checked by the recorded step
-            return trace_training_step(model_factory(cfg, step.dtype), batch, make_optimizer, step,
-                                       warmup="synthetic", fake_batch=True, log=log)
-        except WarmupMismatch:
-            return trace_training_step(model_factory(cfg, step.dtype), batch, make_optimizer, step,
-                                       fake_batch=True, log=log)
+    def trace(cfg: Any, log: bool) -> StepTrace:  # the first step's state made directly where it can be
+        return trace_steady_step(model_factory(cfg, step.dtype), batch, make_optimizer, step, fake_batch=True,
+                                 log=log)
 
     if step.fused_loss:  # imported once here, not in each process tracing a sample
         import lightning_memkit.hf.fused_loss  # noqa: F401

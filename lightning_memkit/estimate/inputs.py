@@ -39,8 +39,8 @@ from typing import Any
 
 from lightning_memkit.common.validation import check_int, check_multiple
 
-__all__ = ["InputWarning", "MAX_TOKENS", "SIZE_KEYS", "check_pipeline", "check_pipeline_family", "check_positions",
-           "check_tokens", "read_hf_config"]
+__all__ = ["InputWarning", "MAX_TOKENS", "SIZE_KEYS", "check_devices", "check_pipeline", "check_pipeline_family",
+           "check_positions", "check_tokens", "read_hf_config"]
 
 MAX_TOKENS = 2**31
 #: the config keys that size the model; where a file sets one, it is an int >= 1 (``None`` where the class
@@ -82,6 +82,11 @@ def check_tokens(seq_len: Any, batch_size: Any) -> tuple[int, int]:
         raise input_error(f"--batch-size {batch_size} x --seq-len {seq_len} = {seq_len * batch_size} tokens per batch: "
                           f"at most {MAX_TOKENS} (2**31)")
     return seq_len, batch_size
+
+
+def check_devices(devices: Any) -> int:
+    """``--devices``: the devices the run trains on, an int >= 1 (data parallel; sharded by the ``sharding`` lever)."""
+    return checked(check_int, devices, "--devices", minimum=1)
 
 
 def check_pipeline(stages: Any, microbatches: Any, batch_size: int) -> int:

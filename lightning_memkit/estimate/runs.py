@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from lightning_memkit.estimate.levers import LEVERS, Plan, StepSpec, Written
 from lightning_memkit.estimate.levers import lever as named_lever
+from lightning_memkit.estimate.step_spec import World
 
 __all__ = ["LeverRun", "Run", "check_allow"]
 
@@ -76,6 +77,7 @@ class LeverRun:
     has_causal_lm = False
     splits_inside_step = False
     accumulate = 1
+    devices = 1  # the devices the run trains on (data parallel: each a replica, or a shard with the sharding lever)
     optimizer_name: str | None = None  # the class name of the run's optimizer, where known
     refusals: dict[str, str] = {}  # lever name -> why the run refuses it (a Trainer's settings, read by MemoryBudget)
 
@@ -121,7 +123,7 @@ class LeverRun:
     def new_step(self) -> StepSpec:
         """The fake step before any lever's choice: what the run itself says (its device, its batch's rows, its
         accumulation); a run kind adds its own (a plugin it holds, the blocks it recomputes, its LoRA rank)."""
-        return StepSpec(target=self.target, rows=self.batch_size,
+        return StepSpec(target=self.target, rows=self.batch_size, world=World(replicate=self.devices),
                         zero_grad="accumulate" if self.accumulate > 1 else "after_forward")
 
     def step_spec(self, plan: Plan) -> StepSpec:

@@ -594,7 +594,8 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
     step = step or StepSpec()
     plugin = step.make_plugin() if plugin is None else plugin
     precision, zero_grad, target = step.precision, step.zero_grad, step.target
-    with (fake_tensors() as gaps, CategoryTracker() as tracker, FastOps() as fast, contextlib.ExitStack() as stack):
+    with (_world(step), fake_tensors() as gaps, CategoryTracker() as tracker, FastOps() as fast,
+          contextlib.ExitStack() as stack):
         events = tracker.log = EventLog({}) if log else None
         tracker.start_phase("load", "weights")
         model = _build_logged(model_factory, precision, plugin, tracker)
@@ -657,11 +658,27 @@ def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Cal
                       make_optimizer: Callable[[nn.Module], Any], step: StepSpec | None = None,
                       **kwargs: Any) -> StepTrace:
     """:func:`trace_training_step` after a synthetic warm-up (half the work), traced again after a real first step
-    where the recorded step is not a steady state (:class:`WarmupMismatch`). ``model_factory`` may be called twice."""
+    where the recorded step is not a steady state (:class:`WarmupMismatch`). ``model_factory`` may be called twice.
+    A sharded step has a real first step at once: FSDP2 keeps the storages of its first all-gathers."""
+    if step is not None and step.world.shard > 1:
+        return trace_training_step(model_factory, batch_factory, make_optimizer, step, **kwargs)
     try:
         return trace_training_step(model_factory, batch_factory, make_optimizer, step, warmup="synthetic", **kwargs)
     except WarmupMismatch:
         return trace_training_step(model_factory, batch_factory, make_optimizer, step, **kwargs)
+
+
+def _world(step: StepSpec) -> Any:
+    """The ranks the step runs on, simulated in this process: a fake process group of ``step.world.shard`` ranks (this
+    process rank 0) whose mesh the sharding transform reads, with FSDP2's resizes counted; nothing for one rank."""
+    if step.world.shard == 1:
+        return contextlib.nullcontext()
+    from lightning_memkit.sharding import fake_mesh, visible_resizes
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fake_mesh(step.world.shard))
+    stack.enter_context(visible_resizes())
+    return stack
 
 
 def _grad_record(p: torch.Tensor) -> tuple[int, torch.dtype]:

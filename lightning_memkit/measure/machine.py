@@ -21,7 +21,7 @@ Example (a balance given, not measured)::
     4.0
     >>> machine_balance('{"gemm_flops": {"float32": 1e12}, "memory_bytes_per_s": 1e11, "link_bytes_per_s": 1e10}')
     MachineBalance(device='machine', gemm_flops={'float32': 1000000000000.0}, memory_bytes_per_s=100000000000.0, \
-link_bytes_per_s=10000000000.0, host_memory_bytes_per_s=0.0)
+link_bytes_per_s=10000000000.0, host_memory_bytes_per_s=0.0, collective_bytes_per_s=0.0)
     >>> machine_balance("h100") is H100
     True
 """
@@ -54,6 +54,12 @@ class MachineBalance:
     memory_bytes_per_s: float = 0.0
     link_bytes_per_s: float = 0.0
     host_memory_bytes_per_s: float = 0.0  # the host's memory (where an offloaded optimizer steps); 0: the device's
+    collective_bytes_per_s: float = 0.0  # an all-gather's bus bandwidth between the devices; 0: the host link's
+
+    @property
+    def collective_bandwidth(self) -> float:
+        """The bytes per second a collective moves between the devices (the host link's where not known)."""
+        return self.collective_bytes_per_s or self.link_bytes_per_s
 
     @property
     def host_bandwidth(self) -> float:
@@ -66,14 +72,16 @@ class MachineBalance:
 
 
 # H100 SXM: about 989 dense bf16 TFLOP/s (fp32 through TF32 at half), 3.35 TB/s of HBM3, a PCIe 5 x16 link (~55 GB/s
-# measured for pinned copies): the balance assumed for a CUDA device this machine does not have.
+# measured for pinned copies), NVLink 4 between the GPUs (~360 GB/s of all-gather bus bandwidth in NCCL's tests): the
+# balance assumed for a CUDA device this machine does not have.
 H100 = MachineBalance("NVIDIA H100 SXM (assumed)", {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
-                      3.35e12, 55e9)
+                      3.35e12, 55e9, collective_bytes_per_s=360e9)
 
 
 #: balances by name, for ``machine_balance("h100")`` and ``MEMKIT_MACHINE=h100``
 PRESETS: dict[str, MachineBalance] = {"h100": H100}
-_FIELDS = ("device", "gemm_flops", "memory_bytes_per_s", "link_bytes_per_s", "host_memory_bytes_per_s")
+_FIELDS = ("device", "gemm_flops", "memory_bytes_per_s", "link_bytes_per_s", "host_memory_bytes_per_s",
+           "collective_bytes_per_s")
 _ENV = "MEMKIT_MACHINE"
 
 

@@ -146,7 +146,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*_args, **_kwargs):
         raise AssertionError("work started before the inputs were checked")
 
-    monkeypatch.setattr(estimate_cli, "trace_training_step", fail)
+    monkeypatch.setattr(estimate_cli, "trace_steady_step", fail)
     monkeypatch.setattr(estimate, "build_model", fail)
 
 

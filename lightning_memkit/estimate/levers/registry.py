@@ -18,6 +18,7 @@ from lightning_memkit.estimate.levers.optimizer_in_backward import OPTIMIZER_IN_
 from lightning_memkit.estimate.levers.precision import PRECISION
 from lightning_memkit.estimate.levers.quantization import QUANTIZATION
 from lightning_memkit.estimate.levers.recompute import RECOMPUTE
+from lightning_memkit.estimate.levers.sharding import SHARDING
 from lightning_memkit.estimate.levers.stages import STAGES
 
 __all__ = ["LEVERS", "lever"]
@@ -28,6 +29,7 @@ LEVERS: tuple[Lever, ...] = (
     RECOMPUTE,
     OFFLOAD_ACTIVATIONS,
     FUSED_LOSS,
+    SHARDING,
     MICRO_BATCH,
     OPTIMIZER_IN_BACKWARD,
     OFFLOAD_OPTIMIZER,

@@ -1,0 +1,35 @@
+"""The models of the FSDP2 checks, built the same way by the gloo ranks (real) and the estimate (fake): a tiny
+transformers Llama in bf16, a Qwen3-MoE in float32, a Llama wrapped by peft (LoRA on q and v) in float32."""
+
+from __future__ import annotations
+
+import torch
+
+CASES = {"llama": ("llama", "bf16-true", False), "qwen3_moe": ("qwen3_moe", "32-true", False),
+         "peft": ("llama", "32-true", True)}
+ROWS, SEQ = 2, 32
+
+
+def model_factory(case: str):
+    family, _, peft = CASES[case]
+
+    def build() -> torch.nn.Module:
+        import transformers
+
+        from lightning_memkit.demo.hf_models import tiny_hf_config
+
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            tiny_hf_config(family, hidden_size=64, num_layers=2, vocab_size=1024, use_cache=False))
+        if peft:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+        return model
+
+    return build
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 1024, (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}

@@ -1,0 +1,77 @@
+"""A rank's step under FSDP2, estimated in one process on fake tensors under a fake process group, against the same
+step run on 2 and 4 gloo ranks (per-rank live bytes, exact on CPU): a dense Llama in bf16, a Qwen3-MoE, a Llama
+wrapped by peft."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fsdp2_cases  # noqa: E402
+
+from lightning_memkit.estimate.levers.sharding import shard_transform  # noqa: E402
+from lightning_memkit.estimate.step import estimate_training_memory  # noqa: E402
+from lightning_memkit.estimate.step_spec import StepSpec, World  # noqa: E402
+
+pytest.importorskip("transformers")
+WORKER = Path(__file__).with_name("_fsdp2_worker.py")
+PHASES = ("forward", "backward", "optimizer step")
+
+
+def estimate(case: str, ranks_: int, reshard: bool = True):
+    _, precision, _ = fsdp2_cases.CASES[case]
+    step = StepSpec(precision=precision, world=World(shard=ranks_),
+                    transforms=[functools.partial(shard_transform, reshard_after_forward=reshard)])
+    return estimate_training_memory(fsdp2_cases.model_factory(case), fsdp2_cases.batch, step=step, optimizer="adamw")
+
+
+def test_a_sharded_step_holds_a_share_of_the_weights_and_optimizer_state():
+    """Two ranks: each holds half of every parameter and of AdamW's state (the tiny Llama's sizes divide evenly), and
+    the step's peak is below the unsharded one; one rank's estimate needs no process group before or after."""
+    import torch.distributed as dist
+
+    whole = estimate_training_memory(fsdp2_cases.model_factory("qwen3_moe"), fsdp2_cases.batch, optimizer="adamw")
+    half = estimate("qwen3_moe", 2)
+    assert not dist.is_initialized()
+    h, w = half.phases[-1], whole.phases[-1]
+    buffers = w.weights - w.gradients  # every parameter trains: the rest are buffers (rotary), kept whole
+    assert (h.weights - buffers) * 2 == w.weights - buffers and h.gradients * 2 == w.gradients
+    assert h.optimizer_state * 2 == w.optimizer_state
+    assert half.peak_bytes < whole.peak_bytes
+    kept = estimate("qwen3_moe", 2, reshard=False)  # gathered parameters kept from forward to backward: more
+    assert kept.peak_bytes > half.peak_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_estimate_of_a_rank_matches_the_gloo_ranks(tmp_path, world):
+    procs = ranks.launch(WORKER, [str(tmp_path)], world, OMP_NUM_THREADS="1")
+    for code, out in ranks.wait(procs, 240, f"FSDP2 over {world} gloo ranks"):
+        assert code == 0, out[-4000:]
+    measured = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for case in fsdp2_cases.CASES:
+        est = {p.phase: p.peak_bytes for p in estimate(case, world).phases}
+        for phase in PHASES:  # rank 0 holds the largest shards: the estimate is its
+            assert est[phase] == pytest.approx(measured[0][case][phase], rel=0.05), (case, phase)
+        # the other ranks hold shards no larger; gloo's worker thread may free a unit's reduce-scatter input a moment
+        # after the collective returns, which a rank then sees beside the next unit's: at most the largest unit's
+        peak = max(est[p] for p in PHASES) * 1.05 + largest_unit_gradients(case)
+        assert max(max(m[case][p] for p in PHASES) for m in measured) <= peak, case
+
+
+def largest_unit_gradients(case: str) -> int:
+    """The bytes of the largest FSDP2 unit's gradients as one process holds them (its reduce-scatter input)."""
+    from lightning_memkit.estimate.step import build_model
+    from lightning_memkit.hf.layers import decoder_layers
+
+    model = build_model(fsdp2_cases.model_factory(case), fsdp2_cases.CASES[case][1])
+    blocks = [m for _, m in decoder_layers(model)]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    units = [list(b.parameters()) for b in blocks] + [[p for p in model.parameters() if id(p) not in in_blocks]]
+    return max(sum(p.numel() * p.element_size() for p in unit if p.requires_grad) for unit in units)

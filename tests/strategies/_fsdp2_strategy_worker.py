@@ -1,0 +1,60 @@
+"""One rank of tests/strategies/test_fsdp2_strategy.py: a tiny transformers Llama fit with ``strategy="memkit_fsdp2"``
+on the gloo ranks, each rank its half of every global batch (``fsdp2_data``); the mean loss over the ranks at each
+step, the strategy, the parameters' type and the state dict gathered whole, written to ``OUT/rank{r}.json``.
+
+    LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _fsdp2_strategy_worker.py OUT [reshard]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fsdp2_data  # noqa: E402
+
+import lightning_memkit  # noqa: E402,F401  (registers "memkit_fsdp2" after Lightning: any import order)
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+
+
+class MeanLoss(pl.Callback):
+    """The loss of each step averaged over the ranks: the global batch's mean loss."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach().clone()
+        dist.all_reduce(loss)
+        self.losses.append(loss.item() / trainer.world_size)
+
+
+def main(out: Path, reshard: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    model = fsdp2_data.module()
+    record = MeanLoss()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="memkit_fsdp2", max_steps=fsdp2_data.STEPS,
+                         callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False)
+    trainer.strategy.reshard_after_forward = reshard
+    trainer.fit(model, fsdp2_data.loader(rank, world))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    param = next(model.parameters())
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "losses": record.losses, "strategy": type(trainer.strategy).__name__, "param": type(param).__name__,
+        "state": {k: v.float().flatten()[:64].tolist() for k, v in state.items()} if rank == 0 else {}}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:] != ["keep"])

@@ -1,0 +1,32 @@
+"""The module and data of the ``memkit_fsdp2`` checks: a tiny transformers Llama (``HFCausalLM``), a fixed token
+dataset whose global batch ``i`` is rows ``[4 i, 4 i + 4)``; a rank of ``world`` reads its ``4 / world`` of them."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+ROWS, SEQ, STEPS = 4, 32, 3
+
+
+class Tokens(Dataset):
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
+        ids = torch.randint(0, 256, (ROWS * STEPS, SEQ), generator=torch.Generator().manual_seed(0))
+        per = ROWS // world
+        self.rows = [ids[step * ROWS + rank * per + i] for step in range(STEPS) for i in range(per)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def loader(rank: int = 0, world: int = 1) -> DataLoader:
+    return DataLoader(Tokens(rank, world), batch_size=ROWS // world, shuffle=False)
+
+
+def module():
+    from lightning_memkit.demo import HFCausalLM
+
+    return HFCausalLM("llama", hidden_size=64, num_layers=2, vocab_size=256, seed=0)
