@@ -181,6 +181,7 @@ class MemoryBudget(Callback):
         self._watching = False
         self._cpu_watch = True
         self._pipeline = False  # the Trainer runs memkit_pipeline: planned per rank, not re-planned
+        self._sharded = False  # the Trainer shards the module (memkit_fsdp2): planned at setup only
         self._batch: Any = None  # the batch planned on
         self._restored: dict | None = None  # the plan of the checkpoint resumed from, applied at on_train_start
         self._recovered: dict | None = None  # the plan an out-of-memory recovery made in this step (to agree on)
@@ -202,6 +203,11 @@ class MemoryBudget(Callback):
         self._missed, self._largest = 0, -1
         self.budget_bytes = self._resolve_budget(trainer)
         self._pipeline = _is_pipeline(trainer)
+        self._sharded = lever("sharding").read_trainer(trainer) is not None
+        if self._sharded:
+            _say(f"{_OWNER}: under {type(trainer.strategy).__name__} the plan is made once, here, for one rank of "
+                 f"{trainer.world_size}: re-planning between steps and out-of-memory recovery are off (a sharded "
+                 "module cannot be copied for an estimate)")
         if self._pipeline:
             self._plan_pipeline(trainer)
             return
@@ -402,7 +408,7 @@ class MemoryBudget(Callback):
         current = {x.name: x.read_trainer(trainer) for x in LEVERS}  # the plan the Trainer runs now
         run = ModuleRun(pl_module, batch, levers=current, policy="auto" if ac is None else ac.policy,
                          accumulate=int(trainer.accumulate_grad_batches), allow=allow, plugin=plugin,
-                         target=trainer.strategy.root_device.type, keep=(trainer,),
+                         target=trainer.strategy.root_device.type, keep=(trainer,), devices=trainer.world_size,
                          refusals=_refusals(trainer, pl_module, allow))
         for name, why in run.off_levers().items():
             _say(f"{_OWNER}: the {name} lever is off: {why}")
@@ -493,6 +499,10 @@ class MemoryBudget(Callback):
         return PlanResult(strongest, peak, 0.0, False, run) if peak < now else None
 
     def _on_out_of_memory(self, trainer: Trainer, event: Any) -> str | None:
+        if self._sharded:
+            _say(f"{_OWNER}: out of memory in the {event.where} under a sharded strategy: not recovered (the plan "
+                 "is fixed for the run); lower the budget or the batch and restart")
+            return None
         pl_module = trainer.lightning_module
         change = self._replan(trainer, pl_module, event.batch, None, f"out of memory in the {event.where}")
         if change is not None:
@@ -587,9 +597,10 @@ class MemoryBudget(Callback):
         why = (f"a step peaked at {format_bytes(measured)}, above the predicted {format_bytes(predicted)} by more "
                f"than the {self.margin:.0%} margin" if measured <= self.budget_bytes else
                f"a step peaked at {format_bytes(measured)}, above the budget {format_bytes(self.budget_bytes)}")
-        if self._pipeline:
-            warnings.warn(f"{_OWNER}: rank {trainer.global_rank}: {why}; memkit_pipeline's split is fixed for the "
-                          "run, so it is not re-planned", stacklevel=2)
+        if self._pipeline or self._sharded:
+            fixed = "memkit_pipeline's split is" if self._pipeline else "a sharded run's plan is"
+            warnings.warn(f"{_OWNER}: rank {trainer.global_rank}: {why}; {fixed} fixed for the run, so it is not "
+                          "re-planned", stacklevel=2)
             return
         _say(f"{_OWNER}: {why}: planning again")
         try:

@@ -24,9 +24,10 @@ from lightning_memkit.estimate.step import (
     estimate_training_memory,
     step_loss,
 )
-from lightning_memkit.estimate.step_spec import StepSpec
+from lightning_memkit.estimate.step_spec import StepSpec, World
 
-__all__ = ["config_features", "config_plan", "config_step", "estimate_from_config", "estimate_parsed_config"]
+__all__ = ["config_devices", "config_features", "config_plan", "config_step", "estimate_from_config",
+           "estimate_parsed_config"]
 
 
 def config_features(trainer: dict[str, Any]) -> dict[str, Any]:
@@ -82,6 +83,12 @@ def config_plan(parsed: dict[str, Any], features: dict[str, Any] | None = None) 
     return plan.replace(**{x.name: x.read_config(trainer) for x in LEVERS if x.read_config(trainer) is not None})
 
 
+def config_devices(trainer: dict[str, Any]) -> int:
+    """The devices a config's trainer trains on: its ``devices`` where an int (``"auto"``, a list: 1)."""
+    devices = trainer.get("devices")
+    return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else 1
+
+
 def config_step(parsed: dict[str, Any]) -> StepSpec:
     """The fake step of a parsed config: its plugin (as built from the config), the blocks its
     ``ActivationCheckpointing`` recomputes, its accumulation and device, then each lever's choice of its plan
@@ -93,6 +100,7 @@ def config_step(parsed: dict[str, Any]) -> StepSpec:
     plugin = features["plugin"]
     plan = config_plan(parsed, features)
     step = StepSpec(plugin=None if plugin is None else (lambda: plugin), policy=features["policy"],
+                    world=World(replicate=config_devices(trainer)),
                     rows=plan["micro_batch"], zero_grad="accumulate" if features["accumulate"] else "after_forward",
                     target="cpu" if trainer.get("accelerator") == "cpu" else "cuda")
     for x in LEVERS:

@@ -35,7 +35,7 @@ class ConfigRun(LeverRun):
     def __init__(self, config: str | Path, overrides: list[str] | tuple[str, ...] = (),
                  allow: Sequence[str] | None = None):
         from lightning_memkit.config.lightning_cli import parse_config
-        from lightning_memkit.estimate.config import config_features, config_plan
+        from lightning_memkit.estimate.config import config_devices, config_features, config_plan
 
         self.allow = check_allow(allow)
         self.config = Path(config)
@@ -46,6 +46,7 @@ class ConfigRun(LeverRun):
         features = config_features(trainer)
         self.batch_size = int(((self.parsed.get("data") or {}).get("init_args") or {}).get("batch_size") or 0)
         self.accumulate = int(trainer.get("accumulate_grad_batches") or 1)
+        self.devices = config_devices(trainer)
         plugin = features["plugin"]
         self.plugin_entry = (trainer.get("plugins") or [None])[0] if plugin is not None else None
         self.base = config_plan(self.parsed, features)

@@ -54,7 +54,7 @@ from lightning_memkit.estimate.step_spec import StepSpec
 __all__ = ["AXES", "ModuleRun", "batch_rows", "batch_tensors", "fake_copy", "micro_batch"]
 
 AXES = ("recompute", "offload_activations", "fused_loss", "micro_batch", "precision", "optimizer_in_backward",
-        "offload_optimizer", "optimizer_8bit")
+        "offload_optimizer", "optimizer_8bit", "sharding")
 _OWNER = "ModuleRun"
 
 
@@ -89,6 +89,10 @@ def fake_copy(module: nn.Module, keep: Sequence[Any] = ()) -> nn.Module:
     trainer = getattr(module, "_trainer", None)
     if trainer is not None:
         memo[id(trainer)] = None
+    for m in module.modules():  # a device mesh (ModelParallelStrategy gives the module one) is shared, not copied
+        for value in vars(m).values():
+            if type(value).__name__ == "DeviceMesh":
+                memo[id(value)] = value
     return copy.deepcopy(module, memo)
 
 
@@ -122,13 +126,15 @@ class ModuleRun(LeverRun):
         levers: the choices the run already makes, lever by lever (``{"optimizer_in_backward": True}``; a Trainer's
             whole current plan, as ``MemoryBudget`` reads it from the levers); they override the arguments above.
         refusals: lever name -> why the run cannot pull it (the Trainer's settings; one line each).
+        devices: the ranks the Trainer runs on; with the ``sharding`` lever's choice in ``levers`` (a Trainer under
+            ``memkit_fsdp2``) the step estimated is one rank's, the module sharded over them.
     """
 
     def __init__(self, module: nn.Module, batch: Any, *, micro_batch: int | None = None, precision: str = "32-true",
                  checkpoint: str | None = None, policy: Any = "auto", fused_loss: bool = False,
                  accumulate: int = 1, allow: Sequence[str] = ("recompute", "fused_loss", "micro_batch"),
                  plugin: Any = None, target: str = "cpu", keep: Sequence[Any] = (),
-                 levers: dict[str, Any] | None = None, refusals: dict[str, str] | None = None):
+                 levers: dict[str, Any] | None = None, refusals: dict[str, str] | None = None, devices: int = 1):
         bad = [a for a in allow if a not in AXES]
         if bad:
             raise ValueError(f"{_OWNER}(allow=...): {bad} not axes; allowed: {', '.join(AXES)}")
@@ -146,7 +152,7 @@ class ModuleRun(LeverRun):
 
             plugin = Converted(plugin) if holds_packed(module) else plugin  # quantized already: estimated as it is
         self.module, self.batch, self.allow, self.plugin, self.target = module, batch, tuple(allow), plugin, target
-        self.policy, self.accumulate, self.keep = policy, accumulate, tuple(keep)
+        self.policy, self.accumulate, self.keep, self.devices = policy, accumulate, tuple(keep), devices
         self.batch_size = batch_rows(batch) or 0
         split = min(given["micro_batch"] or self.batch_size, self.batch_size)
         self.has_causal_lm = fused_loss or _has_causal_lm(module)

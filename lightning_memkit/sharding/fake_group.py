@@ -75,13 +75,14 @@ def _side_group(world_size: int, rank: int) -> Iterator[Any]:
     """A fake group beside the real default one: registered in c10d's tables as ``new_group`` registers a group (which
     refuses more ranks than the real world has), removed on exit."""
     import torch
+    import torch.distributed
     from torch._C._distributed_c10d import FakeProcessGroup
     from torch.distributed import ProcessGroup
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.device_mesh import DeviceMesh
 
     name = f"memkit_fake_{next(_NAMES)}"
-    store = c10d.HashStore()
+    store = torch.distributed.HashStore()
     pg = ProcessGroup(store, rank, world_size)
     pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
     backend = FakeProcessGroup._create_internal(rank, world_size, FakeProcessGroup.Options())

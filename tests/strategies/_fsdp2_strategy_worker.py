@@ -2,7 +2,10 @@
 on the gloo ranks, each rank its half of every global batch (``fsdp2_data``); the mean loss over the ranks at each
 step, the strategy, the parameters' type and the state dict gathered whole, written to ``OUT/rank{r}.json``.
 
-    LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _fsdp2_strategy_worker.py OUT [reshard]
+    LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _fsdp2_strategy_worker.py OUT [keep] [features]
+
+``keep``: ``reshard_after_forward=False``; ``features``: with ``fsdp2_data.features()`` (activation checkpointing, the
+fused loss).
 """
 
 from __future__ import annotations
@@ -38,14 +41,15 @@ class MeanLoss(pl.Callback):
         self.losses.append(loss.item() / trainer.world_size)
 
 
-def main(out: Path, reshard: bool) -> None:
+def main(out: Path, reshard: bool, features: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     model = fsdp2_data.module()
     record = MeanLoss()
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="memkit_fsdp2", max_steps=fsdp2_data.STEPS,
-                         callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         callbacks=[record, *(fsdp2_data.features() if features else [])], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False)
     trainer.strategy.reshard_after_forward = reshard
     trainer.fit(model, fsdp2_data.loader(rank, world))
@@ -57,4 +61,4 @@ def main(out: Path, reshard: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] != ["keep"])
+    main(Path(sys.argv[1]), "keep" not in sys.argv[2:], "features" in sys.argv[2:])

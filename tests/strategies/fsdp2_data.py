@@ -30,3 +30,10 @@ def module():
     from lightning_memkit.demo import HFCausalLM
 
     return HFCausalLM("llama", hidden_size=64, num_layers=2, vocab_size=256, seed=0)
+
+
+def features() -> list:
+    """Callbacks that run inside the FSDP2 units: every decoder layer recomputed, the loss fused with the head."""
+    from lightning_memkit.callbacks import ActivationCheckpointing, FusedLinearCrossEntropy
+
+    return [ActivationCheckpointing(), FusedLinearCrossEntropy()]

@@ -116,6 +116,8 @@ class Lever:
         opt_in: whether a run that allows every lever (``memkit estimate``) leaves this one out unless named.
         reorders_only: whether its choices run the same ops in another order (a ``"free"`` lever that never adds to
             the step time model's cost: a plan without it costs at least as much as the same plan with it).
+        runs_sharded: whether its choices other than the default run with the parameters sharded (FSDP2); a plan
+            that shards with one that does not is not tried.
     """
 
     name = ""
@@ -126,6 +128,7 @@ class Lever:
     wraps_module = False
     opt_in = False
     reorders_only = False
+    runs_sharded = True
     default: Any = None
 
     def strength(self, choice: Any) -> int:

@@ -34,6 +34,7 @@ class OptimizerStateLever(SwitchLever):
     :meth:`wrap`."""
 
     accepts: tuple[str, ...] | None = None
+    runs_sharded = False  # each wraps the optimizer over whole parameters; FSDP2's gradients skip its hooks
     # not planned with gradient accumulation (micro-batches included): the step in backward would step each one
     refuses_accumulation = False
 

@@ -65,6 +65,10 @@ class Plan(Mapping[str, Any]):
     def __repr__(self) -> str:
         return f"Plan({', '.join(f'{k}={v!r}' for k, v in zip(_NAMES, self._values, strict=True))})"
 
+    def levers(self) -> tuple[Any, ...]:
+        """The registered levers, in the plan's order."""
+        return LEVERS
+
     def strength(self) -> tuple[int, ...]:
         """Per lever, how much the choice lowers memory (larger: more)."""
         return tuple(x.strength(v) for x, v in zip(LEVERS, self._values, strict=True))

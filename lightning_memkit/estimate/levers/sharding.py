@@ -28,6 +28,7 @@ from lightning_memkit.estimate.levers.base import Lever, StepCost, StepSpec, Wri
 __all__ = ["SHARDING", "Sharding", "shard_transform"]
 
 STRATEGY = "lightning_memkit.strategies.MemkitFSDP2Strategy"
+_CLASS = STRATEGY.rpartition(".")[2]
 _STRENGTH = {None: 0, "shard_grad_op": 1, "full_shard": 2}
 
 
@@ -58,11 +59,15 @@ class Sharding(Lever):
         return [c for c in _STRENGTH if _STRENGTH[c] >= _STRENGTH[base]]
 
     def unavailable(self, run: Any) -> str | None:
+        if getattr(run, "kind", "") == "module":
+            return ("a Trainer's strategy is set before its callbacks run: pass strategy='memkit_fsdp2' to shard "
+                    "(memkit estimate --devices N --budget B plans it)")
         devices = getattr(run, "devices", 1)
         return None if devices > 1 else f"the run has {devices} device (--devices N shards over N)"
 
     def conflicts(self, plan: Any, run: Any) -> bool:
-        return bool(plan[self.name]) and plan["stages"] > 1  # FSDP2 inside pipeline stages is not planned
+        """A sharded plan with a lever that does not run sharded (``runs_sharded``) is not tried."""
+        return bool(plan[self.name]) and any(not x.runs_sharded and plan[x.name] != x.default for x in plan.levers())
 
     def words(self, choice: Any, base: Any) -> str:
         if choice is None:
@@ -98,9 +103,17 @@ class Sharding(Lever):
 
     write_config = write_hf
 
+    def read_config(self, trainer: dict[str, Any]) -> Any:
+        strategy = trainer.get("strategy")
+        if strategy == "memkit_fsdp2":
+            return "full_shard"
+        if not isinstance(strategy, dict) or str(strategy.get("class_path")).rpartition(".")[2] != _CLASS:
+            return None
+        return "full_shard" if (strategy.get("init_args") or {}).get("reshard_after_forward", True) else "shard_grad_op"
+
     def read_trainer(self, trainer: Any) -> Any:
         strategy = trainer.strategy
-        if type(strategy).__name__ != STRATEGY.rpartition(".")[2]:
+        if type(strategy).__name__ != _CLASS:
             return None
         return "full_shard" if strategy.reshard_after_forward else "shard_grad_op"
 

@@ -24,6 +24,7 @@ STRATEGY = "lightning_memkit.strategies.MemkitPipelineStrategy"
 
 class Stages(Lever):
     name, kind, keeps_math, default = "stages", "scale", True, 1
+    runs_sharded = False  # FSDP2 inside pipeline stages is not planned
 
     def strength(self, choice: Any) -> int:
         return choice
