@@ -49,7 +49,8 @@ CPU_ONLY_BENCHMARKS = {"budget": "the device limit is simulated with LivePeak on
                        "plan_time": "planning time on this machine's cores: the estimates run on fake tensors on "
                                     "the CPU whatever the device",
                        "plans_8b": "estimates made on this machine for a CUDA device; no step runs",
-                       "recipes": "estimates made on this machine for a CUDA device; no step runs"}
+                       "recipes": "estimates made on this machine for a CUDA device; no step runs",
+                       "sharding": "estimates for CUDA devices made here, and gloo ranks on CPU (one GPU is lent)"}
 
 
 @dataclass(frozen=True)

@@ -423,7 +423,8 @@ def _foreach_step_bytes(optim: torch.optim.Optimizer) -> int:
     CPU path's, which they replace."""
     from lightning_memkit.pipeline.cost import optimizer_step_bytes
 
-    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    params = [p.to_local() if hasattr(p, "to_local") else p  # a sharded parameter steps on its shard
+              for g in optim.param_groups for p in g["params"] if p.requires_grad]
     if not params or type(optim).__name__.lower() not in ("adam", "adamw", "sgd"):
         return 0
     group = optim.param_groups[0]
@@ -599,9 +600,11 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         events = tracker.log = EventLog({}) if log else None
         tracker.start_phase("load", "weights")
         model = _build_logged(model_factory, precision, plugin, tracker)
-        for transform in step.transforms:
-            model = transform(model)
         tracker.start_phase(None, "transient")
+        for transform in step.transforms:  # after the load phase: the model as built, then (say) sharded
+            model = transform(model)
+        if step.transforms and events is not None:  # the layers' tensors now are the transformed ones
+            _file_layers(tracker, model, {})
         names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         clock = ModuleClock(names)
         tracker.clock = clock

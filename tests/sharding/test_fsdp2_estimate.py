@@ -4,31 +4,21 @@ wrapped by peft."""
 
 from __future__ import annotations
 
-import functools
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import ranks
 
-sys.path.insert(0, str(Path(__file__).parent))
-import fsdp2_cases  # noqa: E402
-
-from lightning_memkit.estimate.levers.sharding import shard_transform  # noqa: E402
+from benchmarks import sharding_cases as fsdp2_cases  # noqa: E402
 from lightning_memkit.estimate.step import estimate_training_memory  # noqa: E402
-from lightning_memkit.estimate.step_spec import StepSpec, World  # noqa: E402
 
 pytest.importorskip("transformers")
-WORKER = Path(__file__).with_name("_fsdp2_worker.py")
+WORKER = Path(__file__).parents[2] / "benchmarks" / "_sharding_worker.py"
 PHASES = ("forward", "backward", "optimizer step")
 
 
-def estimate(case: str, ranks_: int, reshard: bool = True):
-    _, precision, _ = fsdp2_cases.CASES[case]
-    step = StepSpec(precision=precision, world=World(shard=ranks_),
-                    transforms=[functools.partial(shard_transform, reshard_after_forward=reshard)])
-    return estimate_training_memory(fsdp2_cases.model_factory(case), fsdp2_cases.batch, step=step, optimizer="adamw")
+estimate = fsdp2_cases.estimate
 
 
 def test_a_sharded_step_holds_a_share_of_the_weights_and_optimizer_state():
@@ -75,3 +65,40 @@ def largest_unit_gradients(case: str) -> int:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     units = [list(b.parameters()) for b in blocks] + [[p for p in model.parameters() if id(p) not in in_blocks]]
     return max(sum(p.numel() * p.element_size() for p in unit if p.requires_grad) for unit in units)
+
+
+def test_the_cuda_optimizer_step_of_a_rank_steps_its_shards():
+    """``optimizer.step()``'s foreach temporaries on CUDA (one buffer the size of the parameters it steps) are a
+    rank's: half of them on 2 ranks."""
+
+
+    from lightning_memkit.estimate.levers.sharding import shard_transform
+    from lightning_memkit.estimate.step import estimate_training_memory
+    from lightning_memkit.estimate.step_spec import StepSpec, World
+
+    def foreach(shards: int) -> int:
+        steps = {}
+        for target in ("cpu", "cuda"):
+            step = StepSpec(world=World(shard=shards), target=target,
+                            transforms=[shard_transform] if shards > 1 else [])
+            est = estimate_training_memory(fsdp2_cases.model_factory("qwen3_moe"), fsdp2_cases.batch, step=step)
+            steps[target] = est.phases[-1].transient
+        return steps["cuda"] - steps["cpu"]
+
+    assert foreach(2) * 2 == foreach(1) > 0
+
+
+def test_memkit_estimate_devices_traces_one_sharded_rank_whole(tmp_path):
+    """``estimate_from_hf_config(devices=2)``: one rank under ``full_shard``; a sharded step is traced whole, never
+    composed from a few layers (FSDP2's gathers under recomputation do not compose exactly)."""
+    from lightning_memkit.demo.hf_models import tiny_hf_config
+    from lightning_memkit.estimate.hf import estimate_from_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(tiny_hf_config("llama", hidden_size=32, num_layers=4, vocab_size=1000).to_json_string())
+    one = estimate_from_hf_config(path, seq_len=16, precision="bf16-true", activation_checkpointing=True)
+    two = estimate_from_hf_config(path, seq_len=16, precision="bf16-true", activation_checkpointing=True, devices=2,
+                                  compose=True)
+    assert two.assumptions[-1] == "traced all 4 layers: a sharded step is not composed from its layers"
+    assert two.phases[-1].optimizer_state * 2 == one.phases[-1].optimizer_state
+    assert two.peak_bytes < one.peak_bytes

@@ -1,9 +1,10 @@
-"""One rank of the FSDP2 estimate checks (tests/sharding/test_fsdp2_estimate.py): each case of ``fsdp2_cases`` built
+"""One rank of the FSDP2 estimate checks (benchmarks/bench_sharding.py, tests/sharding/test_fsdp2_estimate.py): each
+case of ``benchmarks.sharding_cases`` built
 as the estimate builds it, sharded over the gloo ranks as ``memkit_fsdp2`` shards it, two AdamW steps in Lightning's
 order; the per-phase live-byte peaks of the second step (``LivePeak`` from before the model is built, FSDP2's resizes
 counted) written to ``OUT/rank{r}.json``.
 
-    LOCAL_RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _fsdp2_worker.py OUT
+    LOCAL_RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m benchmarks._sharding_worker OUT
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-import fsdp2_cases  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from benchmarks import sharding_cases as fsdp2_cases  # noqa: E402
 from lightning_memkit.estimate.levers.sharding import shard_transform  # noqa: E402
 from lightning_memkit.estimate.step import build_model, default_dtype, precision_dtype  # noqa: E402
 from lightning_memkit.memory import LivePeak  # noqa: E402
@@ -54,7 +54,7 @@ def second_step(model: torch.nn.Module, live: LivePeak, precision: str) -> dict[
 def main(out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))), int(os.environ["WORLD_SIZE"])
     os.environ["RANK"] = str(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))

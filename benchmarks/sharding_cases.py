@@ -33,3 +33,16 @@ def model_factory(case: str):
 def batch() -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 1024, (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "labels": ids}
+
+
+def estimate(case: str, ranks: int, reshard: bool = True):
+    """One rank's step of ``case`` sharded over ``ranks`` (``memkit_fsdp2``'s units), estimated on fake tensors."""
+    import functools
+
+    from lightning_memkit.estimate.levers.sharding import shard_transform
+    from lightning_memkit.estimate.step import estimate_training_memory
+    from lightning_memkit.estimate.step_spec import StepSpec, World
+
+    step = StepSpec(precision=CASES[case][1], world=World(shard=ranks),
+                    transforms=[functools.partial(shard_transform, reshard_after_forward=reshard)])
+    return estimate_training_memory(model_factory(case), batch, step=step, optimizer="adamw")
