@@ -102,3 +102,26 @@ def test_memkit_estimate_devices_traces_one_sharded_rank_whole(tmp_path):
     assert two.assumptions[-1] == "traced all 4 layers: a sharded step is not composed from its layers"
     assert two.phases[-1].optimizer_state * 2 == one.phases[-1].optimizer_state
     assert two.peak_bytes < one.peak_bytes
+
+
+def test_the_collectives_cost_a_sharded_plan_per_micro_batch():
+    """Per micro-batch: (N - 1) / N of the parameters' bytes per all-gather (two for full_shard) and of the
+    gradients' for the reduce-scatter, at the collective bandwidth; added on a CPU, overlapped on a GPU."""
+    from types import SimpleNamespace
+
+    from lightning_memkit.estimate.levers.base import StepCost
+    from lightning_memkit.estimate.levers.sharding import SHARDING
+    from lightning_memkit.measure.machine import MachineBalance
+
+    est = SimpleNamespace(phases=[SimpleNamespace(weights=100)] * 2, trainable_parameters=50, precision="32-true")
+    run = SimpleNamespace(devices=4)
+    cpu = MachineBalance("cpu", {"float32": 1.0}, 1.0, 1.0, collective_bytes_per_s=3.0)
+    gpu = MachineBalance("cuda", {"float32": 1.0}, 1.0, 1.0, collective_bytes_per_s=3.0)
+    gathered = 100 * 4 * 3 / 4  # a rank's 100 B of 4 shards: 300 B come from the others per all-gather
+    reduced = 50 * 4 * 3 / 4
+    full = SHARDING.scale_cost("full_shard", None, StepCost(10.0), run, est, cpu)
+    assert full.micro == pytest.approx(10.0 + (2 * gathered + reduced) / 3.0)
+    kept = SHARDING.scale_cost("shard_grad_op", None, StepCost(10.0), run, est, cpu)
+    assert kept.micro == pytest.approx(10.0 + (gathered + reduced) / 3.0)
+    assert SHARDING.scale_cost("full_shard", None, StepCost(500.0), run, est, gpu).micro == 500.0  # hidden
+    assert SHARDING.scale_cost(None, None, StepCost(10.0), run, est, cpu).micro == 10.0

@@ -87,7 +87,7 @@ class Sharding(Lever):
         if not choice or est is None or machine is None:
             return cost
         ranks = getattr(run, "devices", 1)
-        weights = est.phases[0].weights * ranks  # the whole model's bytes (each rank holds 1/N after the load)
+        weights = est.phases[-1].weights * ranks  # the whole model's bytes (each rank holds 1/N in the step)
         size = 2 if getattr(est, "precision", "") in ("bf16-true", "16-true") else 4
         gathers = 2 if choice == "full_shard" else 1
         moved = (gathers * weights + getattr(est, "trainable_parameters", 0) * size) * (ranks - 1) / ranks
