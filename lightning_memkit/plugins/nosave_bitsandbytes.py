@@ -16,6 +16,9 @@
   parameter (embeddings, norms, routers, biases, ``lm_head``) is frozen and kept in the dtype it was loaded in;
 - the weights are quantized as loaded, from their own dtype, and the rest kept so: the base transformers'
   ``BitsAndBytesConfig`` makes of the checkpoint loaded in that dtype, so adapters saved by peft serve as trained;
+- the converted layers hold the packed weight and its quant state as plain tensors of their own
+  (:mod:`~lightning_memkit.plugins.packed_state`): a converted model shards under FSDP2 (``fully_shard``) as it
+  is, its state dicts in bitsandbytes' layout;
 - a peft model (LoRA adapters made by ``peft.get_peft_model``) keeps its adapters: the ``base_layer`` of each
   peft LoRA layer is quantized like any other Linear layer, peft's ``lora_A``/``lora_B`` stay dense and
   trainable (float32 ones stay float32), and ``lora_rank`` must stay 0.

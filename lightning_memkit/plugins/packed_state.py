@@ -19,9 +19,11 @@ Forward reads the quant state from these tensors (inside FSDP2's forward: views 
 State dicts keep bitsandbytes' keys and values (``weight.absmax``, ``weight.quant_map``, ...,
 ``weight.quant_state.bitsandbytes__nf4``; int8: ``SCB``, ``weight_format``); under FSDP2 the sharded quant state is
 gathered whole into them (every rank calls ``state_dict``, as FSDP2 needs anyway) and loading puts each rank's shard
-back. The weight parameter also carries bitsandbytes' attribute names (``quant_state``, ``quant_type``,
-``blocksize``, ``compress_statistics``; int8: ``SCB``, ``CB``) as views of these tensors, for code written against
-bitsandbytes' parameters (peft, memory reports); nothing the layer runs reads them.
+back; a double-quantized state's packed JSON ends in spaces up to a width its nested offset does not change, so that
+``torch.distributed.checkpoint`` loads it into any model of the same shapes. The weight parameter also carries
+bitsandbytes' attribute names (``quant_state``, ``quant_type``, ``blocksize``, ``compress_statistics``; int8:
+``SCB``, ``CB``) as views of these tensors, for code written against bitsandbytes' parameters (peft, memory
+reports); nothing the layer runs reads them.
 
 Example::
 
@@ -37,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -52,6 +55,7 @@ QUANT_MAP, NESTED_QUANT_MAP, NESTED_OFFSET = "quant_map_bytes", "nested_quant_ma
 STATE_PARAMETERS = (ABSMAX, NESTED_ABSMAX, SCB)
 _STATE_BUFFERS = (QUANT_MAP, NESTED_QUANT_MAP, NESTED_OFFSET)
 _INT8_KEYS = ("SCB", "weight_format")  # bitsandbytes' int8 state-dict keys beside the weight
+_OFFSET_WIDTH = 32  # characters the nested offset takes in the packed JSON (a float's repr takes at most 24)
 
 
 def is_packed_layer(module: nn.Module) -> bool:
@@ -207,7 +211,11 @@ class PackedStateMixin:
             return {"SCB": self.packed_scales(), "weight_format": torch.tensor(0, dtype=torch.uint8)}
         state = self.packed_quant_state()
         _name_state_keys(self.weight, state)  # torch.distributed.checkpoint resolves each key with getattr
-        return {f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}
+        items = state.as_dict(packed=True)
+        if state.nested:
+            key = f"quant_state.bitsandbytes__{state.quant_type}"
+            items[key] = _fixed_width(items[key], state.offset.item())
+        return {f"weight.{k}": v for k, v in items.items()}
 
     def _own_entries(self, state_dict: dict, prefix: str) -> dict:
         """``state_dict`` with bitsandbytes' quant-state keys taken out and this layer's own tensors in their place
@@ -228,6 +236,14 @@ class PackedStateMixin:
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.mirror_bitsandbytes_attributes()  # a copy or an unpickled layer: views of its own tensors
+
+
+def _fixed_width(packed: torch.Tensor, offset: float) -> torch.Tensor:
+    """bitsandbytes' packed JSON of a double-quantized state, with trailing spaces (JSON allows them) so that its
+    length does not depend on the digits of the nested offset: ``torch.distributed.checkpoint`` loads a tensor only
+    into one of the saved size, and the model that loads a checkpoint has an offset of its own."""
+    pad = _OFFSET_WIDTH - len(json.dumps(offset))
+    return torch.cat([packed, torch.full((pad,), ord(" "), dtype=packed.dtype, device=packed.device)])
 
 
 def _name_state_keys(weight: torch.Tensor, state: Any) -> None:
