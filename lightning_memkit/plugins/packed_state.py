@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import torch
@@ -69,11 +70,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_dtensor(t: Any) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    """Whether ``t`` is a ``DTensor`` (none exists before ``torch.distributed.tensor`` is imported)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

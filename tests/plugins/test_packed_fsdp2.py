@@ -161,6 +161,18 @@ def test_moves_and_copies_keep_the_quant_state_bytes_and_the_bitsandbytes_attrib
     assert torch.equal(copy.deepcopy(model)(x), out)
 
 
+@pytest.mark.parametrize("mode", ["nf4-dq", "int8"])
+def test_the_memory_table_counts_the_quant_state_once_with_the_weight(mode):
+    from lightning_memkit.measure.report import static_memory_table
+
+    model = _model(mode)
+    layer, row = model[0], static_memory_table(model).rows[0]
+    packed = [t for t in [*layer.parameters(recurse=False), *layer.buffers(recurse=False)] if not t.is_floating_point()]
+    dense = [layer.bias, *layer.lora.parameters()]
+    assert row.param_bytes == sum(t.numel() * t.element_size() for t in packed + dense)
+    assert row.buffer_bytes == 0 and row.frozen == IN * OUT + OUT  # logical weight elements and the bias
+
+
 # -- FSDP2, two gloo ranks -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory) -> list[dict]:
