@@ -60,7 +60,15 @@ _OFFSET_WIDTH = 32  # characters the nested offset takes in the packed JSON (a f
 
 
 def is_packed_layer(module: nn.Module) -> bool:
-    """Whether ``module`` holds a packed weight as :class:`PackedStateMixin` keeps it."""
+    """Whether ``module`` holds a packed weight as :class:`PackedStateMixin` keeps it.
+
+    Example::
+
+        >>> from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+        >>> model = NoSaveBitsandbytesPrecision("int8").convert_module(nn.Sequential(nn.Linear(64, 32), nn.ReLU()))
+        >>> [is_packed_layer(m) for m in model], model[0].packed_scales().shape
+        ([True, False], torch.Size([32]))
+    """
     return isinstance(module, PackedStateMixin) and module.packed_kind is not None
 
 
@@ -194,15 +202,17 @@ class PackedStateMixin:
     # -- state dicts ----------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """bitsandbytes' keys and values: ``weight``, ``bias``, then the quant state (4-bit: ``weight.absmax``, ...,
-        ``weight.quant_state.bitsandbytes__<type>``; int8: ``SCB``, ``weight_format``)."""
+        ``weight.quant_state.bitsandbytes__<type>``; int8: ``SCB``, ``weight_format``). A layer released to ``meta``
+        (another pipeline rank's stage) saves its weight and bias only, as bitsandbytes' layer there did."""
         if self.packed_kind is None:
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         for name in ("weight", "bias"):
             t = self._parameters.get(name)
             if t is not None:
                 destination[prefix + name] = t if keep_vars else t.detach()
-        for key, value in self._quant_state_items().items():
-            destination[prefix + key] = value if keep_vars else value.detach()
+        if self.weight.device.type != "meta":
+            for key, value in self._quant_state_items().items():
+                destination[prefix + key] = value if keep_vars else value.detach()
         return None
 
     def _quant_state_items(self) -> dict[str, torch.Tensor]:

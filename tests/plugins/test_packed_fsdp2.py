@@ -162,6 +162,17 @@ def test_moves_and_copies_keep_the_quant_state_bytes_and_the_bitsandbytes_attrib
 
 
 @pytest.mark.parametrize("mode", ["nf4-dq", "int8"])
+def test_a_layer_released_to_meta_saves_its_weight_and_bias_only(mode):
+    """A pipeline rank moves the other stages' layers to ``meta``: their state dict entries are dropped as meta."""
+    from lightning_memkit.pipeline.runtime import release_to_meta
+
+    model = _model(mode, lora_rank=0)
+    release_to_meta(model[0], set())
+    assert {k: v.device.type for k, v in model.state_dict().items() if k.startswith("0.")} == {
+        "0.weight": "meta", "0.bias": "meta"}
+
+
+@pytest.mark.parametrize("mode", ["nf4-dq", "int8"])
 def test_the_memory_table_counts_the_quant_state_once_with_the_weight(mode):
     from lightning_memkit.measure.report import static_memory_table
 
