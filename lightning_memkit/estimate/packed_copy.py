@@ -1,12 +1,13 @@
 """A module already quantized by the QLoRA plugin, estimated as it is now: its packed weights copied as fake ones.
 
-bitsandbytes keeps a packed weight in a tensor subclass (``Params4bit`` with its ``QuantState``; ``Int8Params`` with
-its row scales ``SCB``), which cannot wrap a fake tensor. A re-plan during the run (or an out-of-memory recovery)
-estimates the model after the plugin converted it: :func:`packed_like` gives, for such a weight, a plain frozen fake
-``Parameter`` of the same packed shape and dtype carrying a quant state of fake tensors of the same shapes (what the
-plugin's layers read in their forward, as :class:`~lightning_memkit.plugins.packed_linear.PackedLinear` holds it),
-so the copy counts the packed bytes and their quant state as they are; :class:`Converted` is the plugin for that copy:
-its forward context and inputs, no conversion (it is done).
+A re-plan during the run (or an out-of-memory recovery) estimates the model after the plugin converted it. The
+plugin's layers keep the packed weight and its quant state as plain tensors of their own
+(:mod:`~lightning_memkit.plugins.packed_state`), which the fake copy copies as any other; bitsandbytes' own layers
+(a model loaded quantized) keep them in a tensor subclass (``Params4bit`` with its ``QuantState``; ``Int8Params``
+with its row scales ``SCB``), which cannot wrap a fake tensor: :func:`packed_like` gives, for such a weight, a plain
+frozen fake ``Parameter`` of the same packed shape and dtype carrying a quant state of fake tensors of the same
+shapes, so the copy counts the packed bytes and their quant state as they are. :class:`Converted` is the plugin for
+that copy: its forward context and inputs, no conversion (it is done).
 
 Example::
 
@@ -50,8 +51,10 @@ def _is_packed(t: torch.Tensor) -> bool:
 
 
 def holds_packed(module: nn.Module) -> bool:
-    """Whether ``module`` has a bitsandbytes packed weight (it was quantized: by the plugin, or loaded so)."""
-    return any(_is_packed(p) for p in module.parameters())
+    """Whether ``module`` has a packed weight (it was quantized: by the plugin, or loaded so by bitsandbytes)."""
+    from lightning_memkit.plugins.packed_state import is_packed_layer
+
+    return any(_is_packed(p) for p in module.parameters()) or any(is_packed_layer(m) for m in module.modules())
 
 
 def packed_like(p: torch.Tensor, like: Any, memo: dict[int, Any]) -> nn.Parameter | None:

@@ -178,14 +178,14 @@ def _quantization(model: nn.Module, owner: str = _OWNER) -> dict[str, Any] | Non
     layer = next((m for m in model.modules() if isinstance(m, NoSaveLinearMixin) and m.is_quantized), None)
     if layer is None:
         return None
-    weight = layer.weight
-    if weight.dtype == torch.int8:
+    meta = layer.packed_meta  # the layer's own record (its weight may be FSDP2's parameter)
+    if meta is None:
         return {"load_in_8bit": True}
-    if getattr(weight, "blocksize", 64) != 64:
-        raise ValueError(f"{owner}: the base was quantized in blocks of {weight.blocksize}; transformers' "
+    if meta.blocksize != 64:
+        raise ValueError(f"{owner}: the base was quantized in blocks of {meta.blocksize}; transformers' "
                          "BitsAndBytesConfig quantizes in blocks of 64")
-    return {"load_in_4bit": True, "bnb_4bit_quant_type": weight.quant_type,
-            "bnb_4bit_use_double_quant": bool(weight.compress_statistics),
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": meta.quant_type,
+            "bnb_4bit_use_double_quant": meta.nested_blocksize is not None,
             "bnb_4bit_compute_dtype": str(layer.compute_dtype).removeprefix("torch.")}
 
 

@@ -3,8 +3,9 @@
 :func:`static_memory_table` counts, for each direct child of a module (and the module's own
 parameters, as ``(root)``):
 
-- parameter bytes by real storage: a bitsandbytes ``Params4bit``/``Int8Params`` counts its packed bytes
-  plus its quantization state (``absmax``, ``code``, nested state, ``SCB``); buffers apart;
+- parameter bytes by real storage: a bitsandbytes ``Params4bit``/``Int8Params`` (or the QLoRA plugin's packed
+  weight) counts its packed bytes plus its quantization state (``absmax``, ``code``, nested state, ``SCB``; the
+  plugin's layers hold it as byte parameters and buffers of their own, counted with the weight); buffers apart;
 - gradient bytes of the trainable parameters: the ``.grad`` already allocated, else what it will be
   (same numel and dtype as the parameter: "expected");
 - optimizer state bytes: the optimizer's ``state`` where it exists ("allocated"), else what the
@@ -146,6 +147,18 @@ def _quant_tensors(p: torch.Tensor) -> list[torch.Tensor]:
     return list(tensors_in([h for h in holders if h is not None], max_depth=8))  # nested state: 6 levels
 
 
+def _quant_storages(params: Iterable[torch.Tensor]) -> set[int]:
+    """Storage keys of the quantization state of the quantized weights among ``params``."""
+    return {storage_key(s) for p in params for t in _quant_tensors(p) if (s := storage_of(t)) is not None}
+
+
+def _is_quant_state(t: torch.Tensor, quant: set[int]) -> bool:
+    """Whether ``t`` holds (part of) a quantized weight's quantization state, counted with that weight: the plugin's
+    layers keep it as byte parameters and buffers of their own (FSDP2 shards them with the weight)."""
+    s = storage_of(t)
+    return s is not None and storage_key(s) in quant and not _quant_tensors(t)
+
+
 def parameter_storage_bytes(p: torch.Tensor) -> int:
     """Bytes ``p`` really occupies: its own elements plus, for bitsandbytes weights, the quantization state.
 
@@ -247,10 +260,14 @@ def _row(name: str, kind: str, params: Iterable[torch.Tensor], buffers: Iterable
          optimizer: _OptimizerBytes, grad_sources: set[str]) -> MemoryRow:
     row = MemoryRow(name, kind)
     dtypes = set()
+    params, buffers = list(params), list(buffers)
+    quant = _quant_storages(params)
     for p in params:
         if id(p) in seen:
             continue
         seen.add(id(p))
+        if _is_quant_state(p, quant):
+            continue
         row.param_bytes += parameter_storage_bytes(p)
         dtypes.add(_dtype_name(p))
         if p.requires_grad:
@@ -265,7 +282,8 @@ def _row(name: str, kind: str, params: Iterable[torch.Tensor], buffers: Iterable
     for b in buffers:
         if id(b) not in seen:
             seen.add(id(b))
-            row.buffer_bytes += b.numel() * b.element_size()
+            if not _is_quant_state(b, quant):
+                row.buffer_bytes += b.numel() * b.element_size()
     row.dtypes = sorted(dtypes)
     return row
 

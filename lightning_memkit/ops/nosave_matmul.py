@@ -108,15 +108,26 @@ def _weight_of(layer_or_weight: Any) -> tuple[torch.Tensor, nn.Module | None]:
     )
 
 
+def _own_state(layer: nn.Module | None, method: str) -> Any:
+    """What a layer that keeps its quant state as its own tensors answers (the plugin's layers: FSDP2 replaces
+    the weight parameter, so the state cannot live on it); ``None`` for bitsandbytes' layers."""
+    answer = getattr(layer, method, None)
+    return answer() if callable(answer) else None
+
+
 def _quant_state(weight: torch.Tensor, layer: nn.Module | None):
-    qs = getattr(weight, "quant_state", None)
+    qs = _own_state(layer, "packed_quant_state")
+    if qs is None:
+        qs = getattr(weight, "quant_state", None)
     if qs is None and layer is not None:
         qs = getattr(layer, "quant_state", None)
     return qs
 
 
 def _int8_scales(weight: torch.Tensor, layer: nn.Module | None) -> torch.Tensor | None:
-    scb = getattr(weight, "SCB", None)
+    scb = _own_state(layer, "packed_scales")
+    if scb is None:
+        scb = getattr(weight, "SCB", None)
     if scb is None and layer is not None:  # bitsandbytes moves CB/SCB to layer.state on its first forward
         scb = getattr(getattr(layer, "state", None), "SCB", None)
     return scb

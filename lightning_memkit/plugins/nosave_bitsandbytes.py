@@ -16,6 +16,9 @@
   parameter (embeddings, norms, routers, biases, ``lm_head``) is frozen and kept in the dtype it was loaded in;
 - the weights are quantized as loaded, from their own dtype, and the rest kept so: the base transformers'
   ``BitsAndBytesConfig`` makes of the checkpoint loaded in that dtype, so adapters saved by peft serve as trained;
+- the converted layers hold the packed weight and its quant state as plain tensors of their own
+  (:mod:`~lightning_memkit.plugins.packed_state`): a converted model shards under FSDP2 (``fully_shard``) as it
+  is, its state dicts in bitsandbytes' layout;
 - a peft model (LoRA adapters made by ``peft.get_peft_model``) keeps its adapters: the ``base_layer`` of each
   peft LoRA layer is quantized like any other Linear layer, peft's ``lora_A``/``lora_B`` stay dense and
   trainable (float32 ones stay float32), and ``lora_rank`` must stay 0.
@@ -99,52 +102,53 @@ def packed_modes(state_dict: dict) -> set[str]:
 
 # -- layer classes ---------------------------------------------------------------------------------------
 class _NoSave4bitMixin(NoSaveLinearMixin):
-    def quantize(self, params4bit, weight: torch.Tensor, device: torch.device | None):
+    def quantize_packed_(self, weight: torch.Tensor, device: torch.device) -> None:
         """Lightning's steps on any device, from the weight as loaded, in its own dtype (Lightning's own quantize a
         float16 copy, on CUDA only): the packed bytes and quant state transformers' ``BitsAndBytesConfig`` makes of
         the base loaded in that dtype, so adapters saved by peft or exported meet the base they were trained on.
         The dtype is kept as ``source_dtype``, the dtype to load the base in; a later weight (a state dict's, loaded
         into the converted layer) is cast to it first, as ``load_state_dict`` casts into a parameter's dtype."""
         self.source_dtype = getattr(self, "source_dtype", None) or weight.dtype
-        w = weight.contiguous().to(device=device or torch.device("cuda"), dtype=self.source_dtype)
-        w_4bit, quant_state = _fabric_bnb._import_bitsandbytes().functional.quantize_4bit(
-            w,
-            blocksize=params4bit.blocksize,
-            compress_statistics=params4bit.compress_statistics,
-            quant_type=params4bit.quant_type,
-            quant_storage=params4bit.quant_storage,
-        )
-        return _fabric_bnb._replace_param(params4bit, w_4bit, quant_state)
+        w = weight.contiguous().to(device=device, dtype=self.source_dtype)
+        packed, quant_state = _fabric_bnb._import_bitsandbytes().functional.quantize_4bit(w, **self._packing())
+        self.set_packed_4bit_(packed, quant_state)
+
+    def _packing(self) -> dict[str, Any]:
+        """bitsandbytes' 4-bit settings of this layer: Lightning's ``Params4bit``'s, then the packed weight's."""
+        meta = self.packed_meta
+        if meta is None:
+            w = self.weight
+            return {"blocksize": w.blocksize, "compress_statistics": w.compress_statistics,
+                    "quant_type": w.quant_type, "quant_storage": w.quant_storage}
+        return {"blocksize": meta.blocksize, "compress_statistics": meta.nested_blocksize is not None,
+                "quant_type": meta.quant_type, "quant_storage": self.weight.dtype}
 
     def load_packed_(self, packed: torch.Tensor, state_dict: dict, prefix: str) -> None:
         key = prefix + "weight."
         stats = {k[len(key):]: v for k, v in state_dict.items() if k.startswith(key)}
-        self.check_packed(packed, self.weight.quant_type)
+        packing = self._packing()
+        self.check_packed(packed, packing["quant_type"])
         if not stats:
             raise ValueError(f"{type(self).__name__}: the state dict has a packed weight {prefix}weight but no "
                              "quant state (absmax, quant_map) beside it")
         device = self.weight.device
         quant_state = _fabric_bnb._import_bitsandbytes().functional.QuantState.from_dict(stats, device=device)
-        mine = (self.weight.quant_type, self.weight.blocksize, bool(self.weight.compress_statistics))
+        mine = (packing["quant_type"], packing["blocksize"], packing["compress_statistics"])
         theirs = (quant_state.quant_type, quant_state.blocksize, bool(quant_state.nested))
         if mine != theirs or tuple(quant_state.shape) != (self.out_features, self.in_features):
             raise ValueError(f"{type(self).__name__}: the state dict's {prefix}weight was quantized as (type, block "
                              f"size, double quantization) = {theirs} for shape {tuple(quant_state.shape)}, this "
                              f"layer as {mine} for {(self.out_features, self.in_features)}")
-        self.weight = _fabric_bnb._replace_param(self.weight, packed.to(device), quant_state)
+        self.set_packed_4bit_(packed, quant_state)
 
 
 class _NoSaveInt8Mixin(NoSaveLinearMixin):
-    @staticmethod
-    def quantize(int8params, weight: torch.Tensor, device: torch.device | None):
-        if device is None or device.type == "cuda":
-            return _fabric_bnb._Linear8bitLt.quantize(int8params, weight, device)
-        # Lightning's steps, on any device (its version raises for everything but CUDA)
+    def quantize_packed_(self, weight: torch.Tensor, device: torch.device) -> None:
+        """Lightning's steps (bitsandbytes' row-wise int8 of a float16 copy), on any device (Lightning's run on CUDA
+        only)."""
         b = weight.contiguous().to(device=device, dtype=torch.float16)
         cb, scb, _ = _fabric_bnb._import_bitsandbytes().functional.int8_vectorwise_quant(b)
-        int8params.data = cb
-        int8params.CB, int8params.SCB = cb, scb
-        return int8params
+        self.set_packed_int8_(cb, scb)
 
     def load_packed_(self, packed: torch.Tensor, state_dict: dict, prefix: str) -> None:
         self.check_packed(packed, "int8")
@@ -152,23 +156,7 @@ class _NoSaveInt8Mixin(NoSaveLinearMixin):
         if scb is None or scb.shape != (self.out_features,):
             raise ValueError(f"{type(self).__name__}: the state dict's packed weight {prefix}weight needs its row "
                              f"scales {prefix}SCB of shape ({self.out_features},)")
-        w = self.weight
-        w.data = packed.to(w.device).clone()
-        w.CB, w.SCB = w.data, scb.to(device=w.device, dtype=w.SCB.dtype).clone()
-        if self.state.SCB is not None:
-            self.state.SCB = w.SCB
-
-    def _apply(self, fn, recurse: bool = True):
-        # Module._apply assigns the moved tensor to ``weight.data``; the int8 row scales (SCB) that
-        # bitsandbytes keeps as a plain attribute would stay behind on the old device.
-        super()._apply(fn, recurse)
-        w = self.weight
-        if w.dtype == torch.int8:
-            if getattr(w, "SCB", None) is not None and w.SCB.device != w.device:
-                w.SCB = w.SCB.to(w.device)
-            if getattr(w, "CB", None) is not None:
-                w.CB = w.data
-        return self
+        self.set_packed_int8_(packed, scb)
 
 
 @functools.cache

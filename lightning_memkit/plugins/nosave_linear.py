@@ -2,7 +2,8 @@
 
 A layer class mixes :class:`NoSaveLinearMixin` in front of its bitsandbytes (or plain) base: its forward runs
 :func:`~lightning_memkit.ops.nosave_matmul.nosave_linear`, whose backward keeps only the packed weight, plus the
-layer's LoRA update when it has one.
+layer's LoRA update when it has one. The packed weight and its quant state are the layer's own plain tensors
+(:class:`~lightning_memkit.plugins.packed_state.PackedStateMixin`), so the layer trains under FSDP2 as built.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from lightning_memkit.ops.lora import LoRAAdapter
 from lightning_memkit.ops.nosave_matmul import nosave_linear
+from lightning_memkit.plugins.packed_state import PackedStateMixin
 
 __all__ = ["NoSaveLinearMixin"]
 
@@ -27,7 +29,7 @@ def _quantize_device(layer: nn.Module, weight: torch.Tensor | None, device: Any)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class NoSaveLinearMixin:
+class NoSaveLinearMixin(PackedStateMixin):
     """Forward through :func:`nosave_linear` (+ the LoRA update when the layer has one)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,18 +51,28 @@ class NoSaveLinearMixin:
                 "already quantized (a state dict of a converted model); load the unquantized weights, or load the "
                 "state dict into the model before the plugin converts it"
             )
-        super().quantize_(weight, _quantize_device(self, weight, device))
+        if weight is None:
+            if self.is_quantized:
+                return
+            weight = self.weight.data
+        self.quantize_packed_(weight, _quantize_device(self, weight, device))
+
+    def quantize_packed_(self, weight: torch.Tensor, device: torch.device) -> None:
+        """Quantize the unquantized ``weight`` on ``device`` into this layer's packed weight (per quantization kind)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot quantize a weight")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """A packed weight (a converted model's state dict, e.g. a checkpoint to resume) is restored as it was
-        saved, bit for bit, with its quant state; an unquantized one is quantized by Lightning's load hook."""
-        key = prefix + "weight"
-        weight = state_dict.get(key)
-        if weight is not None and not weight.is_floating_point() and self.is_quantized:
+        saved, bit for bit, with its quant state; an unquantized one is quantized (cast to :attr:`source_dtype`
+        first, where the layer has one)."""
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and weight.is_floating_point():
+            self.quantize_(weight)
+        elif weight is not None and self.is_quantized:
             self.load_packed_(weight, state_dict, prefix)
-            # the weight copied onto itself (the load hook sees it is loaded); its quant state consumed
-            state_dict = {**{k: v for k, v in state_dict.items() if not k.startswith(key + ".")}, key: self.weight}
+        if self.packed_kind is not None:  # the weight and its quant state copied onto themselves: they are loaded
+            state_dict = self._own_entries(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
