@@ -5,7 +5,7 @@ step, the strategy, the parameters' type and the state dict gathered whole, writ
     LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _fsdp2_strategy_worker.py OUT [keep] [features]
 
 ``keep``: ``reshard_after_forward=False``; ``features``: with ``fsdp2_data.features()`` (activation checkpointing, the
-fused loss).
+fused loss); ``nf4``: the QLoRA plugin (``fsdp2_data.plugins()``: nf4, LoRA rank 8, float32 compute).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class MeanLoss(pl.Callback):
         self.losses.append(loss.item() / trainer.world_size)
 
 
-def main(out: Path, reshard: bool, features: bool) -> None:
+def main(out: Path, reshard: bool, features: bool, qlora: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
@@ -50,7 +50,8 @@ def main(out: Path, reshard: bool, features: bool) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="memkit_fsdp2", max_steps=fsdp2_data.STEPS,
                          callbacks=[record, *(fsdp2_data.features() if features else [])], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
+                         enable_model_summary=False, use_distributed_sampler=False,
+                         plugins=fsdp2_data.plugins() if qlora else None)
     trainer.strategy.reshard_after_forward = reshard
     trainer.fit(model, fsdp2_data.loader(rank, world))
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -61,4 +62,4 @@ def main(out: Path, reshard: bool, features: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), "keep" not in sys.argv[2:], "features" in sys.argv[2:])
+    main(Path(sys.argv[1]), "keep" not in sys.argv[2:], "features" in sys.argv[2:], "nf4" in sys.argv[2:])

@@ -37,3 +37,12 @@ def features() -> list:
     from lightning_memkit.callbacks import ActivationCheckpointing, FusedLinearCrossEntropy
 
     return [ActivationCheckpointing(), FusedLinearCrossEntropy()]
+
+
+def plugins() -> list:
+    """The QLoRA plugin of the quantized checks: nf4 weights, LoRA adapters of rank 8, float32 compute."""
+    import torch
+
+    from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+
+    return [NoSaveBitsandbytesPrecision("nf4", torch.float32, lora_rank=8)]

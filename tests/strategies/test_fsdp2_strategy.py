@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 WORKER = Path(__file__).with_name("_fsdp2_strategy_worker.py")
 
 
-def one_process(features: bool) -> tuple[list[float], dict]:
+def one_process(features: bool, qlora: bool = False) -> tuple[list[float], dict]:
     import lightning.pytorch as pl
     import torch
 
@@ -30,6 +30,7 @@ def one_process(features: bool) -> tuple[list[float], dict]:
     model = fsdp2_data.module()
     pl.Trainer(accelerator="cpu", devices=1, max_steps=fsdp2_data.STEPS,
                callbacks=[Record(), *(fsdp2_data.features() if features else [])], logger=False,
+               plugins=fsdp2_data.plugins() if qlora else None,
                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
         model, fsdp2_data.loader())
     state = {k: v.detach().float().flatten()[:64] for k, v in model.state_dict().items()}
@@ -51,17 +52,19 @@ def test_the_strategy_is_a_model_parallel_strategy_that_needs_no_configure_model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("reshard", "features"), [(True, False), (False, False), (True, True)],
-                         ids=["full_shard", "shard_grad_op", "recompute+fused_loss"])
-def test_two_ranks_train_as_one_process(tmp_path, reshard, features):
+@pytest.mark.parametrize(("reshard", "features", "qlora"),
+                         [(True, False, False), (False, False, False), (True, True, False), (True, False, True)],
+                         ids=["full_shard", "shard_grad_op", "recompute+fused_loss", "nf4"])
+def test_two_ranks_train_as_one_process(tmp_path, reshard, features, qlora):
     import torch
 
-    args = [str(tmp_path)] + ([] if reshard else ["keep"]) + (["features"] if features else [])
+    args = ([str(tmp_path)] + ([] if reshard else ["keep"]) + (["features"] if features else [])
+            + (["nf4"] if qlora else []))
     procs = ranks.launch(WORKER, args, 2, OMP_NUM_THREADS="1")
     for code, out in ranks.wait(procs, 240, "memkit_fsdp2 fit"):
         assert code == 0, out[-4000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    losses, state = one_process(features)
+    losses, state = one_process(features, qlora)
     assert results[0]["strategy"] == "MemkitFSDP2Strategy" and results[0]["param"] == "DTensor"
     assert results[0]["losses"] == results[1]["losses"]
     assert results[0]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
