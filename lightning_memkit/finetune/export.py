@@ -275,6 +275,9 @@ def _adapters(owner: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]
     return []
 
 
+_SHARDED = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")  # strategies whose ranks hold shards
+
+
 class ExportAdapters(Callback):
     """Export the adapters (:func:`export_adapters`) at the end of ``fit``, on global rank 0.
 
@@ -305,6 +308,11 @@ class ExportAdapters(Callback):
         """Raise ``ValueError`` (one line, naming this callback and what is allowed) when the fit would end with
         nothing to export: checked on the module as built, before the precision plugin converts it (the plugin's
         ``lora_rank`` adapters are counted). Cheap, and safe to call more than once."""
+        sharded = next((c.__name__ for c in type(trainer.strategy).__mro__ if c.__name__ in _SHARDED), None)
+        if sharded is not None:
+            raise ValueError(f"{_CALLBACK}: under {type(trainer.strategy).__name__} (a {sharded}) each rank holds a "
+                             "shard of the adapters, and exporting them from a sharded run is not supported yet; "
+                             "leave this callback out (the run's sharded checkpoint keeps them)")
         _check_before_conversion(pl_module, trainer.precision_plugin, _CALLBACK)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

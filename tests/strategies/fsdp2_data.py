@@ -3,8 +3,10 @@ dataset whose global batch ``i`` is rows ``[4 i, 4 i + 4)``; a rank of ``world``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 ROWS, SEQ, STEPS = 4, 32, 3
 
@@ -22,8 +24,11 @@ class Tokens(Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def loader(rank: int = 0, world: int = 1) -> DataLoader:
-    return DataLoader(Tokens(rank, world), batch_size=ROWS // world, shuffle=False)
+def loader(rank: int = 0, world: int = 1) -> Any:
+    """The rank's batches, from a stateful loader (Lightning checkpoints where it stands: a resume goes on there)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(Tokens(rank, world), batch_size=ROWS // world, shuffle=False)
 
 
 def module():

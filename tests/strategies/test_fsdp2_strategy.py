@@ -59,7 +59,7 @@ def test_two_ranks_train_as_one_process(tmp_path, reshard, features, qlora):
     import torch
 
     args = ([str(tmp_path)] + ([] if reshard else ["keep"]) + (["features"] if features else [])
-            + (["nf4"] if qlora else []))
+            + (["nf4", "resume"] if qlora else []))
     procs = ranks.launch(WORKER, args, 2, OMP_NUM_THREADS="1")
     for code, out in ranks.wait(procs, 240, "memkit_fsdp2 fit"):
         assert code == 0, out[-4000:]
@@ -68,5 +68,18 @@ def test_two_ranks_train_as_one_process(tmp_path, reshard, features, qlora):
     assert results[0]["strategy"] == "MemkitFSDP2Strategy" and results[0]["param"] == "DTensor"
     assert results[0]["losses"] == results[1]["losses"]
     assert results[0]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    if qlora:  # stopped after step 2, resumed from its sharded checkpoint: the same last step
+        assert results[0]["resumed"] == results[0]["losses"][-1:]
     for name, value in state.items():
         torch.testing.assert_close(torch.tensor(results[0]["state"][name]), value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_exporting_adapters_from_a_sharded_run_is_refused_before_it_trains():
+    from lightning.pytorch import Trainer
+
+    from lightning_memkit.finetune.export import ExportAdapters
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="memkit_fsdp2", logger=False, plugins=fsdp2_data.plugins())
+    with pytest.raises(ValueError, match=r"^ExportAdapters: under MemkitFSDP2Strategy \(a ModelParallelStrategy\) each "
+                                         r"rank holds a shard of the adapters"):
+        ExportAdapters().preflight(trainer, fsdp2_data.module())
