@@ -1,5 +1,6 @@
 """Importing lightning_memkit: lazy (no Lightning for the pure-torch parts), quiet, fast, and registering
-``strategy="memkit_pipeline"`` whichever of it and Lightning comes first, the name alone enough for a Trainer."""
+``strategy="memkit_pipeline"`` and ``"memkit_fsdp2"`` whichever of it and Lightning comes first, the name alone enough
+for a Trainer."""
 
 import os
 import subprocess
@@ -110,10 +111,12 @@ REGISTRY_CHECK = """
     hooks = [f for f in sys.meta_path if type(f).__module__ == "lightning_memkit"]
     trainer = Trainer(strategy="memkit_pipeline", accelerator="cpu", devices=1, logger=False,
                       enable_progress_bar=False, enable_model_summary=False)  # the name alone, nothing else imported
+    sharded = Trainer(strategy="memkit_fsdp2", accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)
     from lightning_memkit.strategies import MemkitPipelineStrategy
     import lightning.pytorch as pl
     print(type(trainer.strategy) is MemkitPipelineStrategy, "memkit_pipeline" in StrategyRegistry, hooks,
-          type(pl.__loader__).__name__, type(pl.__spec__.loader).__name__)
+          type(pl.__loader__).__name__, type(pl.__spec__.loader).__name__, type(sharded.strategy).__name__)
 """
 
 
@@ -178,7 +181,8 @@ def fresh() -> dict[str, subprocess.CompletedProcess]:
 def test_memkit_pipeline_is_registered_whichever_is_imported_first(first, fresh):
     assert fresh[first].returncode == 0, fresh[first].stderr
     # the one-shot hook gone once Lightning is imported; lightning.pytorch keeps its own loader
-    assert fresh[first].stdout.split("\n")[-2] == "True True [] SourceFileLoader SourceFileLoader"
+    assert fresh[first].stdout.split("\n")[-2] == ("True True [] SourceFileLoader SourceFileLoader "
+                                                  "MemkitFSDP2Strategy")
 
 
 def test_importing_the_package_installs_one_import_hook_and_imports_no_lightning(fresh):
