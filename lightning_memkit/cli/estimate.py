@@ -179,8 +179,6 @@ def _check_pipeline(args: argparse.Namespace) -> None:
         return
     if args.config is not None:
         raise ConfigError("--pipeline: only with --hf-config (a --config sets its strategy itself)")
-    if args.plugin is not None:
-        raise ConfigError("--pipeline with --plugin: quantized pipeline stages are not estimated; leave one out")
     args.microbatches = check_pipeline(args.pipeline, 4 if args.microbatches is None else args.microbatches,
                                        args.batch_size)
 
@@ -216,7 +214,8 @@ def _estimate(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
         from lightning_memkit.estimate.config import estimate_from_config  # Lightning: only for a --config
 
         return estimate_from_config(args.config, overrides)
-    run = (dict(stages=args.pipeline, microbatches=args.microbatches) if args.pipeline else
+    run = (dict(stages=args.pipeline, microbatches=args.microbatches, plugin=args.plugin, lora_rank=args.lora_rank)
+           if args.pipeline else
            dict(plugin=args.plugin, lora_rank=args.lora_rank, device=args.device, devices=args.devices,
                 compose=False if args.full_trace else "auto"))
     fn = estimate_hf_pipeline if args.pipeline else estimate_from_hf_config

@@ -117,7 +117,8 @@ def _hf_factories(path: Path, seq_len: int, batch_size: int, sequences: int | No
 
 def estimate_hf_pipeline(path: str | Path, stages: int, microbatches: int | None = None, seq_len: int = 2048,
                          batch_size: int = 1, precision: str = "32-true", optimizer: str = "adamw",
-                         activation_checkpointing: bool | str = False, fused_loss: bool = False) -> PipelineEstimate:
+                         activation_checkpointing: bool | str = False, fused_loss: bool = False,
+                         plugin: str | None = None, lora_rank: int = DEFAULT_LORA_RANK) -> PipelineEstimate:
     """Per-rank peaks of the causal LM of ``path`` under ``memkit_pipeline`` (``stages`` ranks, 1F1B).
 
     The strategy's own planning on fake tensors: :func:`~lightning_memkit.hf.pipeline_stages.causal_lm_stages`
@@ -131,7 +132,8 @@ def estimate_hf_pipeline(path: str | Path, stages: int, microbatches: int | None
     seq_len, batch_size = check_tokens(seq_len, batch_size)
     microbatches = check_pipeline(stages, microbatches, batch_size)
     run = HFRun(path, seq_len=seq_len, batch_size=batch_size, precision=precision, optimizer=optimizer,
-                activation_checkpointing=activation_checkpointing, fused_loss=fused_loss)
+                activation_checkpointing=activation_checkpointing, fused_loss=fused_loss, plugin=plugin,
+                lora_rank=lora_rank)
     check_pipeline_family(run.config, path)
     return estimate_pipeline_step(run.config, run.step_spec(run.base.replace(stages=stages)),
                                   microbatches=microbatches, seq_len=seq_len, batch_size=batch_size,

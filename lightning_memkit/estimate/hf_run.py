@@ -72,11 +72,11 @@ class HFRun(LeverRun):
         return estimate_hf_step(self.config, step, seq_len=self.seq_len, optimizer=self.optimizer)
 
     def pipelines(self) -> Iterator[Plan]:
-        """Pipeline plans with every single-device feature on (no quantization: not estimated with stages), for the
+        """Pipeline plans with every single-device feature on (a quantization as given), for the
         models ``memkit_pipeline`` splits (``causal_lm_config_problems`` finds nothing)."""
         from lightning_memkit.hf.pipeline_stages import causal_lm_config_problems
 
-        if self.base["quantization"] is None and not causal_lm_config_problems(self.config):
+        if not causal_lm_config_problems(self.config):
             layers = int(getattr(self.config, "num_hidden_layers", 0) or 0)
             # the levers the pipeline's estimate models: every other lever as given
             precision = lever("precision").options(self.base["precision"], self)[-1]  # the strongest

@@ -167,14 +167,11 @@ def estimate_pipeline_step(config: Any, step: StepSpec, *, microbatches: int, se
     from lightning_memkit.pipeline import partition_layers
     from lightning_memkit.pipeline.runtime import measure_pipeline_costs
 
-    if step.plugin is not None:
-        from lightning_memkit.common.errors import ConfigError
-
-        raise ConfigError("--pipeline with --plugin: quantized pipeline stages are not estimated")
     start = time.perf_counter()
+    plugin = step.make_plugin()  # a QLoRA plugin converts the whole model first, as memkit_pipeline's setup does
     batch = token_batch(config.vocab_size, seq_len, batch_size // microbatches)
     with fake_tensors(), contextlib.ExitStack() as stack:
-        net = build_model(model_factory(config, step.dtype), step.precision)
+        net = build_model(model_factory(config, step.dtype), step.precision, plugin)
         for patch in step.patches:
             stack.enter_context(patch(net))
         if step.recompute:
@@ -188,7 +185,8 @@ def estimate_pipeline_step(config: Any, step: StepSpec, *, microbatches: int, se
             mask = torch.ones(tokens["input_ids"].shape, dtype=torch.int64)
         inputs, target = split.inputs({**tokens, "attention_mask": mask})
         opt = step.wrap_optimizer(*resolve_optimizer(optimizer, None))[0](net)
-        with rng_untouched(), default_dtype(precision_dtype(step.precision)):
+        forward = plugin.forward_context() if plugin is not None else default_dtype(precision_dtype(step.precision))
+        with rng_untouched(), forward:
             costs = measure_pipeline_costs(list(split.layers), inputs, target, loss_fn=split.loss, optimizer=opt)
         parameters = sum(p.numel() for p in net.parameters())
     partition = partition_layers(costs, step.world.pipeline, schedule="1f1b", microbatches=microbatches)

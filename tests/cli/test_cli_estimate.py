@@ -101,7 +101,6 @@ def test_pipeline_matches_the_strategy_planning_on_real_tensors(tmp_path: Path) 
     (["--hf-config", "x.json", "--max-estimates", "5"], "--max-estimates: only with --budget"),
     (["--hf-config", "x.json", "--machine", "h100"], "--machine: only with --budget"),
     (["--hf-config", "x.json", "--budget", "1GiB", "--machine", "a100"], r"--machine must be a preset \(h100\)"),
-    (["--hf-config", "x.json", "--plugin", "nf4-lora", "--pipeline", "2"], "--pipeline with --plugin"),
     (["--hf-config", "x.json", "--pipeline", "1"], "--pipeline=1: must be an int >= 2"),
     (["--hf-config", "x.json", "--microbatches", "2"], "--microbatches: only with --pipeline"),
     (["--hf-config", "x.json", "--pipeline", "2", "--batch-size", "3"], "--batch-size=3: must be a multiple of"),
