@@ -433,7 +433,7 @@ def _foreach_step_bytes(optim: torch.optim.Optimizer) -> int:
             - optimizer_step_bytes(params, type(optim), foreach=False, **hp))
 
 
-def _assumptions(experts: bool, target: str = "cpu") -> list[str]:
+def _assumptions(experts: bool, target: str = "cpu", replicas: bool = False) -> list[str]:
     notes = ["unique tensor storages as LivePeak counts them (not included: CUDA allocator rounding, cuBLAS and "
              "attention kernel workspaces, the CUDA context)"]
     if target == "cuda":
@@ -441,6 +441,9 @@ def _assumptions(experts: bool, target: str = "cpu") -> list[str]:
                      "optimizer_step_bytes); every other op's outputs as the CPU kernels shape them")
     if experts:
         notes.append("MoE routing: uniform expert balance, each expert gets tokens * top_k / num_experts tokens")
+    if replicas:
+        notes.append("DDP: each replica's reducer holds one flat copy of the trainable gradients from the start "
+                     "(gradient_as_bucket_view=False, the default)")
     return notes
 
 
@@ -561,7 +564,8 @@ class StepTrace:
         return MemoryEstimate(phases=self.phases, peak_bytes=max(p.peak_bytes for p in self.phases[1:]),
                               parameters=self.parameters, trainable_parameters=self.trainable_parameters,
                               optimizer=optimizer, precision=self.precision, features=self.features,
-                              assumptions=_assumptions(any("MoE" in f for f in self.features), self.target),
+                              assumptions=_assumptions(any("MoE" in f for f in self.features), self.target,
+                                                       any(f.startswith("DDP gradient") for f in self.features)),
                               seconds=seconds, step_flops=self.flops, step_bytes=self.allocated,
                               host_bytes=self.host_bytes, optimizer_step_bytes=self.optimizer_bytes,
                               host_steady_bytes=self.host_steady)
@@ -605,6 +609,8 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
             model = transform(model)
         if step.transforms and events is not None:  # the layers' tensors now are the transformed ones
             _file_layers(tracker, model, {})
+        buckets = _replica_buckets(model, step)
+        tracker.move(buckets, "gradients")
         names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         clock = ModuleClock(names)
         tracker.clock = clock
@@ -621,6 +627,8 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
             run.before_step = lambda b=blocks, o=optim: _claim_layers(events, b, o)
         head, tail = _install(run, clock, step.checkpoint, stack)
         features = [*head, *_patch(model, step.patches, stack), *tail]
+        if buckets:
+            features.append(f"DDP gradient buckets ({step.world.replicate} replicas)")
         if warmup == "synthetic":
             warmed = _synthetic_warmup(run)
         else:
@@ -651,7 +659,7 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
         layers = [name for name, _ in blocks]
         host = max(tracker.host_peaks.get(name, 0) for name in STEP_PHASES)
         label = _precision_label(precision, plugin, model)
-        del run, model, optim, blocks
+        del run, model, optim, blocks, buckets
     return StepTrace(phases, counts[0], counts[1], label, features,
                      fast.flops, tracker.allocated, target, foreach, events, layers, host,
                      tracker.allocated_by_phase.get("optimizer step", 0), steady)
@@ -669,6 +677,19 @@ def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Cal
         return trace_training_step(model_factory, batch_factory, make_optimizer, step, warmup="synthetic", **kwargs)
     except WarmupMismatch:
         return trace_training_step(model_factory, batch_factory, make_optimizer, step, **kwargs)
+
+
+def _replica_buckets(model: nn.Module, step: StepSpec) -> list[torch.Tensor]:
+    """A replica's DDP buckets (``step.world.replicate`` above 1, the parameters not sharded): DDP's reducer keeps one
+    flat copy of every trainable parameter's gradient, per dtype, from its construction on (``gradient_as_bucket_view
+    =False``, torch's and Lightning's default). Nothing for one replica or a sharded step."""
+    if step.world.replicate == 1 or step.world.shard > 1:
+        return []
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return [torch.empty(n, dtype=dtype) for dtype, n in sizes.items()]
 
 
 def _world(step: StepSpec) -> Any:

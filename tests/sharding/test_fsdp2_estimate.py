@@ -125,3 +125,20 @@ def test_the_collectives_cost_a_sharded_plan_per_micro_batch():
     assert kept.micro == pytest.approx(10.0 + (gathered + reduced) / 3.0)
     assert SHARDING.scale_cost("full_shard", None, StepCost(500.0), run, est, gpu).micro == 500.0  # hidden
     assert SHARDING.scale_cost(None, None, StepCost(10.0), run, est, cpu).micro == 10.0
+
+
+def test_a_ddp_replica_holds_one_more_copy_of_its_gradients():
+    """``World(replicate=2)``: DDP's reducer keeps a flat copy of the trainable gradients for the whole run, so every
+    phase of the step holds exactly that much more, filed as gradients (measured on 2 gloo ranks by
+    tests/callbacks/test_budget_fsdp2.py)."""
+    from lightning_memkit.estimate.step import build_model, estimate_training_memory
+    from lightning_memkit.estimate.step_spec import StepSpec, World
+
+    one = estimate_training_memory(fsdp2_cases.model_factory("peft"), fsdp2_cases.batch)
+    two = estimate_training_memory(fsdp2_cases.model_factory("peft"), fsdp2_cases.batch,
+                                   step=StepSpec(world=World(replicate=2)))
+    model = build_model(fsdp2_cases.model_factory("peft"), "32-true")
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    for a, b in zip(one.phases[1:], two.phases[1:], strict=True):
+        assert (b.peak_bytes, b.gradients) == (a.peak_bytes + grads, a.gradients + grads), b.phase
+    assert two.assumptions[-1].startswith("DDP: each replica's reducer holds one flat copy")

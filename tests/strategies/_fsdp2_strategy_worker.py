@@ -51,7 +51,8 @@ def fit(rank: int, world: int, reshard: bool, features: bool, qlora: bool, steps
     record = MeanLoss()
     saving = [ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=1)] if checkpoints else []
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="memkit_fsdp2", max_steps=steps,
-                         callbacks=[record, *(fsdp2_data.features() if features else []), *saving], logger=False,
+                         callbacks=[fsdp2_data.seeded(), record, *(fsdp2_data.features() if features else []),
+                                    *saving], logger=False,
                          enable_checkpointing=bool(checkpoints), enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False,
                          plugins=fsdp2_data.plugins() if qlora else None)

@@ -51,3 +51,15 @@ def plugins() -> list:
     from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
 
     return [NoSaveBitsandbytesPrecision("nf4", torch.float32, lora_rank=8)]
+
+
+def seeded() -> Any:
+    """A callback that seeds torch's generator at ``setup``, right before the strategy converts and shards the module:
+    the plugin's LoRA adapters start the same in every run, whatever drew from the generator before."""
+    import lightning.pytorch as pl
+
+    class SeedAtSetup(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            torch.manual_seed(0)
+
+    return SeedAtSetup()

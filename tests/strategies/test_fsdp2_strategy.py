@@ -29,7 +29,7 @@ def one_process(features: bool, qlora: bool = False) -> tuple[list[float], dict]
 
     model = fsdp2_data.module()
     pl.Trainer(accelerator="cpu", devices=1, max_steps=fsdp2_data.STEPS,
-               callbacks=[Record(), *(fsdp2_data.features() if features else [])], logger=False,
+               callbacks=[fsdp2_data.seeded(), Record(), *(fsdp2_data.features() if features else [])], logger=False,
                plugins=fsdp2_data.plugins() if qlora else None,
                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
         model, fsdp2_data.loader())
