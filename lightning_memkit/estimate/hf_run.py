@@ -72,15 +72,17 @@ class HFRun(LeverRun):
         return estimate_hf_step(self.config, step, seq_len=self.seq_len, optimizer=self.optimizer)
 
     def pipelines(self) -> Iterator[Plan]:
-        """Pipeline plans with every single-device feature on (a quantization as given), for the
-        models ``memkit_pipeline`` splits (``causal_lm_config_problems`` finds nothing)."""
+        """Pipeline plans with every single-device feature on (a quantization as given), at most ``devices`` stages
+        where the run names its devices, for the models ``memkit_pipeline`` splits (``causal_lm_config_problems``
+        finds nothing)."""
         from lightning_memkit.hf.pipeline_stages import causal_lm_config_problems
 
         if not causal_lm_config_problems(self.config):
             layers = int(getattr(self.config, "num_hidden_layers", 0) or 0)
             # the levers the pipeline's estimate models: every other lever as given
             precision = lever("precision").options(self.base["precision"], self)[-1]  # the strongest
-            for stages in [s for s in (2, 4, 8) if s <= layers]:
+            most = self.devices if self.devices > 1 else layers  # the devices given bound the stages
+            for stages in [s for s in (2, 4, 8) if s <= min(layers, most)]:
                 yield self.base.replace(precision=precision, recompute="full", fused_loss=True,
                                         micro_batch=self.batch_size, stages=stages)
 

@@ -142,3 +142,13 @@ def test_a_ddp_replica_holds_one_more_copy_of_its_gradients():
     for a, b in zip(one.phases[1:], two.phases[1:], strict=True):
         assert (b.peak_bytes, b.gradients) == (a.peak_bytes + grads, a.gradients + grads), b.phase
     assert two.assumptions[-1].startswith("DDP: each replica's reducer holds one flat copy")
+
+
+def test_the_devices_named_bound_the_pipeline_plans(tmp_path):
+    from lightning_memkit.demo.hf_models import tiny_hf_config
+    from lightning_memkit.estimate.hf_run import HFRun
+
+    path = tmp_path / "config.json"
+    path.write_text(tiny_hf_config("llama", hidden_size=32, num_layers=8, vocab_size=1000).to_json_string())
+    assert [p["stages"] for p in HFRun(path, seq_len=16).pipelines()] == [2, 4, 8]
+    assert [p["stages"] for p in HFRun(path, seq_len=16, devices=2).pipelines()] == [2]
