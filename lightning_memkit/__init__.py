@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import sys
 from typing import Any
@@ -77,7 +78,7 @@ _LAZY: dict[str, str] = {name: module for module, names in _HOMES.items() for na
 __all__ = sorted(["__version__", "register_pipeline_strategy", *_LAZY])
 
 def _registered(name: str) -> None:
-    if name in ("MemkitFSDP2Strategy", "MemkitPipelineStrategy"):
+    if any(path.endswith(f".{name}") for path, _ in _STRATEGIES.values()):
         register_pipeline_strategy()
 
 
@@ -98,24 +99,25 @@ def register_pipeline_strategy() -> None:
     """
     from lightning.pytorch.strategies import StrategyRegistry
 
-    if "memkit_pipeline" not in StrategyRegistry:
-        StrategyRegistry.register("memkit_pipeline", _pipeline_strategy,
-                                  description="Pipeline parallelism with memory-balanced stages (lightning_memkit)")
-    if "memkit_fsdp2" not in StrategyRegistry:
-        StrategyRegistry.register("memkit_fsdp2", _fsdp2_strategy,
-                                  description="FSDP2 over every rank, each repeated block one unit (lightning_memkit)")
+    for name, (path, description) in _STRATEGIES.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, functools.partial(_strategy, path), description=description)
 
 
-def _pipeline_strategy(**kwargs: Any) -> Any:
-    from lightning_memkit.strategies.pipeline import MemkitPipelineStrategy
+#: the strategies by the name a Trainer takes: their class path (imported when a Trainer asks for one) and the
+#: description Lightning's registry shows
+_STRATEGIES = {
+    "memkit_pipeline": ("lightning_memkit.strategies.pipeline.MemkitPipelineStrategy",
+                        "Pipeline parallelism with memory-balanced stages (lightning_memkit)"),
+    "memkit_fsdp2": ("lightning_memkit.strategies.fsdp2.MemkitFSDP2Strategy",
+                     "FSDP2 over every rank, each repeated block one unit (lightning_memkit)"),
+}
 
-    return MemkitPipelineStrategy(**kwargs)
 
+def _strategy(path: str, **kwargs: Any) -> Any:
+    from lightning_memkit.common.class_paths import import_object
 
-def _fsdp2_strategy(**kwargs: Any) -> Any:
-    from lightning_memkit.strategies.fsdp2 import MemkitFSDP2Strategy
-
-    return MemkitFSDP2Strategy(**kwargs)
+    return import_object(path)(**kwargs)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
 from lightning_memkit.callbacks.fit_scoped import FitScopedCallback
+from lightning_memkit.common.class_paths import base_named
 from lightning_memkit.common.progress import WorkProgress, progress_enabled
 from lightning_memkit.common.step_output import training_loss
 from lightning_memkit.common.validation import check_bool, check_int
@@ -65,10 +66,7 @@ def _mute(*_args: Any, **_kwargs: Any) -> None:
 
 
 def _strategy_kind(strategy: Any) -> str | None:
-    for cls in type(strategy).__mro__:
-        if cls.__name__ in _OWN_POLICY or cls.__name__ in _SHARDED:
-            return cls.__name__
-    return None
+    return base_named(strategy, (*_OWN_POLICY, *_SHARDED))
 
 
 def _loss_of(output: Any) -> torch.Tensor:

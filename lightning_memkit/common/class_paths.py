@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
 from typing import Any
 
-__all__ = ["class_name", "import_object", "instantiate"]
+__all__ = ["base_named", "class_name", "import_object", "instantiate"]
 
 
 def class_name(entry: Any) -> str:
@@ -17,6 +18,19 @@ def class_name(entry: Any) -> str:
     """
     path = entry.get("class_path", "") if isinstance(entry, dict) else str(entry or "")
     return path.rpartition(".")[2]
+
+
+def base_named(obj: Any, names: Collection[str]) -> str | None:
+    """The name of the first class of ``type(obj)``'s MRO that ``names`` holds, or ``None``: a class known by name,
+    its module not imported (a strategy of Lightning's, subclasses included).
+
+    >>> from lightning_memkit.common.class_paths import base_named
+    >>> class Strategy: ...
+    >>> class Mine(Strategy): ...
+    >>> base_named(Mine(), ("Strategy", "Other")), base_named(1, ("Strategy",))
+    ('Strategy', None)
+    """
+    return next((c.__name__ for c in type(obj).__mro__ if c.__name__ in names), None)
 
 
 def import_object(path: str) -> Any:

@@ -80,7 +80,7 @@ def config_plan(parsed: dict[str, Any], features: dict[str, Any] | None = None) 
     batch_size = int(((parsed.get("data") or {}).get("init_args") or {}).get("batch_size") or 0)
     plan = Plan(precision=features["precision"], quantization=None if plugin is None else f"{plugin.mode}-lora",
                 recompute=features["checkpoint"], fused_loss=features["fused"], micro_batch=batch_size)
-    return plan.replace(**{x.name: x.read_config(trainer) for x in LEVERS if x.read_config(trainer) is not None})
+    return plan.replace(**{x.name: choice for x in LEVERS if (choice := x.read_config(trainer)) is not None})
 
 
 def config_devices(trainer: dict[str, Any]) -> int:

@@ -44,12 +44,12 @@ class ConfigRun(LeverRun):
         self.parsed = parse_config(self.config, [str(a) for a in overrides])
         trainer = self.parsed.get("trainer") or {}
         features = config_features(trainer)
-        self.batch_size = int(((self.parsed.get("data") or {}).get("init_args") or {}).get("batch_size") or 0)
         self.accumulate = int(trainer.get("accumulate_grad_batches") or 1)
         self.devices = config_devices(trainer)
         plugin = features["plugin"]
         self.plugin_entry = (trainer.get("plugins") or [None])[0] if plugin is not None else None
         self.base = config_plan(self.parsed, features)
+        self.batch_size = self.base["micro_batch"]  # the data module's batch size
         self.lora_rank = getattr(plugin, "lora_rank", 0)
         self.plugin_dtype = getattr(plugin, "dtype", None)
         self.target = "cpu" if trainer.get("accelerator") == "cpu" else "cuda"

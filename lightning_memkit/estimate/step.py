@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -515,7 +516,7 @@ def estimate_training_memory(
         step = StepSpec(precision=precision, plugin=None if plugin is None else (lambda: plugin),
                         recompute=checkpoint_mode if checkpoint is not None else None, policy=checkpoint,
                         patches=list(patches), zero_grad=zero_grad, target=target)
-    elif (precision, checkpoint, tuple(patches), zero_grad, plugin, checkpoint_mode, target) != _STEP_DEFAULTS:
+    elif (precision, checkpoint, tuple(patches), zero_grad, plugin, checkpoint_mode, target) != _step_defaults():
         raise ValueError(f"{_OWNER}: pass the step's settings in step= or as keywords, not both")
     else:
         plugin = step.make_plugin()
@@ -536,7 +537,13 @@ def estimate_training_memory(
     return trace.estimate(opt_name, time.perf_counter() - start)
 
 
-_STEP_DEFAULTS = ("32-true", None, (), "after_forward", None, "full", "cpu")
+def _step_defaults() -> tuple[Any, ...]:
+    """The defaults of the keywords ``step=`` stands for, as :func:`estimate_training_memory` declares them."""
+    params = inspect.signature(estimate_training_memory).parameters
+    return tuple(params[k].default for k in _STEP_KEYWORDS)
+
+
+_STEP_KEYWORDS = ("precision", "checkpoint", "patches", "zero_grad", "plugin", "checkpoint_mode", "target")
 
 
 @dataclass

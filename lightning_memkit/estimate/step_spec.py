@@ -4,7 +4,7 @@ in (:class:`World`: pipeline stages, sharded and replicated data parallel, as to
 travels whole from the plan (:meth:`~lightning_memkit.estimate.runs.LeverRun.step_spec`) to the tracer
 (:func:`~lightning_memkit.estimate.step.estimate_training_memory` ``step=``); no run kind unpacks it.
 
-Example (a step of two sharded ranks whose loss is fused)::
+Example (a bf16 step of one rank of two that shard the parameters)::
 
     >>> from lightning_memkit.estimate.step_spec import StepSpec, World
     >>> step = StepSpec(precision="bf16-true", world=World(shard=2))

@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from lightning_memkit.common.class_paths import base_named
 from lightning_memkit.hf.qlora import QLoRAExperts, dequantized_experts, expert_projections, hf_models
 from lightning_memkit.ops.lora import ExpertLoRAAdapter, LoRAAdapter
 
@@ -308,7 +309,7 @@ class ExportAdapters(Callback):
         """Raise ``ValueError`` (one line, naming this callback and what is allowed) when the fit would end with
         nothing to export: checked on the module as built, before the precision plugin converts it (the plugin's
         ``lora_rank`` adapters are counted). Cheap, and safe to call more than once."""
-        sharded = next((c.__name__ for c in type(trainer.strategy).__mro__ if c.__name__ in _SHARDED), None)
+        sharded = base_named(trainer.strategy, _SHARDED)
         if sharded is not None:
             raise ValueError(f"{_CALLBACK}: under {type(trainer.strategy).__name__} (a {sharded}) each rank holds a "
                              "shard of the adapters, and exporting them from a sharded run is not supported yet; "

@@ -47,7 +47,6 @@ class Quantization(Lever):
         ``choice`` computing in that dtype; a plugin the run holds already (a Trainer's, a config's) is kept."""
         if choice is None or spec.plugin is not None:
             return
-        qlora_plugin(choice, spec.precision, spec.lora_rank)  # refused here, before any work
         spec.plugin = functools.partial(qlora_plugin, choice, spec.precision, spec.lora_rank)
         spec.dtype = plugin_dtype(spec.precision)
         spec.precision = "32-true"  # the plugin sets the dtype (a Trainer refuses both)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from lightning_memkit.common.class_paths import class_name
 from lightning_memkit.estimate.levers.base import Lever, StepCost, StepSpec, Written
 
 __all__ = ["SHARDING", "Sharding", "shard_transform"]
@@ -107,7 +108,7 @@ class Sharding(Lever):
         strategy = trainer.get("strategy")
         if strategy == "memkit_fsdp2":
             return "full_shard"
-        if not isinstance(strategy, dict) or str(strategy.get("class_path")).rpartition(".")[2] != _CLASS:
+        if not isinstance(strategy, dict) or class_name(strategy) != _CLASS:
             return None
         return "full_shard" if (strategy.get("init_args") or {}).get("reshard_after_forward", True) else "shard_grad_op"
 
