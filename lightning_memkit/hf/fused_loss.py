@@ -33,13 +33,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from lightning_memkit.common.validation import check_bool, check_choice, check_int
+from lightning_memkit.hf.layers import modeling_function
 from lightning_memkit.hf.peft_models import head_parts, unwrap_peft
 from lightning_memkit.ops import linear_cross_entropy
 
@@ -70,7 +70,7 @@ def _check_model(model: Any) -> None:
 
 
 def _aux_loss_fn(model: Any):
-    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    return modeling_function(model, "load_balancing_loss_func")
 
 
 def _router_aux_enabled(model: Any, requested: bool | None) -> bool:

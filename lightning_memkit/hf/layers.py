@@ -1,4 +1,5 @@
-"""Which submodules of a model are Hugging Face decoder layers, and the KV-cache switch of its configs.
+"""Which submodules of a model are Hugging Face decoder layers, the KV-cache switch of its configs, and the functions
+its family's modeling module defines.
 
 Both look at ``transformers`` only if it is already imported: a model that holds transformers modules
 has imported it, so a model without any costs nothing.
@@ -26,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["decoder_layers", "kv_cache_configs", "kv_cache_off"]
+__all__ = ["decoder_layers", "kv_cache_configs", "kv_cache_off", "modeling_function"]
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -80,3 +81,20 @@ def kv_cache_off(model: nn.Module) -> Iterator[list[Any]]:
     finally:
         for cfg in configs:
             cfg.use_cache = True
+
+
+def modeling_function(model: nn.Module, name: str) -> Any:
+    """The function ``name`` of ``model``'s modeling module (``load_balancing_loss_func``: the family's router aux
+    loss), or ``None``: looked up along the class's bases, since a wrapper may subclass the model's class in a module
+    of its own (FSDP2's ``fully_shard`` does).
+
+    >>> from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
+    >>> from lightning_memkit.hf.layers import modeling_function
+    >>> modeling_function(tiny_hf_causal_lm("qwen3_moe", num_layers=1), "load_balancing_loss_func").__name__
+    'load_balancing_loss_func'
+    """
+    for cls in type(model).__mro__:
+        found = getattr(sys.modules.get(cls.__module__), name, None)
+        if found is not None:
+            return found
+    return None

@@ -106,6 +106,7 @@ import torch
 from torch import nn
 
 from lightning_memkit.common.validation import check_bool, check_choice
+from lightning_memkit.hf.layers import modeling_function
 from lightning_memkit.ops import cross_entropy, linear_cross_entropy
 from lightning_memkit.pipeline.runtime import BatchLoss, LayerChain, stage_scratch
 
@@ -327,7 +328,7 @@ def _aux_enabled(model: nn.Module) -> bool:
     modeling module defines ``load_balancing_loss_func``; DeepSeek-V3's does not, and HF adds none)."""
     if not getattr(model.config, "output_router_logits", False):
         return False
-    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None) is not None
+    return modeling_function(model, "load_balancing_loss_func") is not None
 
 
 @dataclass(frozen=True)

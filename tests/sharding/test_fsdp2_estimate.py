@@ -152,3 +152,23 @@ def test_the_devices_named_bound_the_pipeline_plans(tmp_path):
     path.write_text(tiny_hf_config("llama", hidden_size=32, num_layers=8, vocab_size=1000).to_json_string())
     assert [p["stages"] for p in HFRun(path, seq_len=16).pipelines()] == [2, 4, 8]
     assert [p["stages"] for p in HFRun(path, seq_len=16, devices=2).pipelines()] == [2]
+
+
+def test_a_sharded_moe_step_fuses_its_loss_with_the_router_aux_loss():
+    """FSDP2 gives the sharded model a class of its own (``FSDPQwen3MoeForCausalLM``, in torch's module): the fused
+    loss still finds the family's ``load_balancing_loss_func`` along the class's bases, as the unsharded step does."""
+    import functools
+
+    from lightning_memkit.estimate.levers.fused_loss import fused_linear_cross_entropy_inside
+    from lightning_memkit.estimate.levers.sharding import shard_transform
+    from lightning_memkit.estimate.step import estimate_training_memory
+    from lightning_memkit.estimate.step_spec import StepSpec, World
+
+    def fused(shards: int):
+        step = StepSpec(world=World(shard=shards), patches=[fused_linear_cross_entropy_inside], fused_loss=True,
+                        transforms=[functools.partial(shard_transform)] if shards > 1 else [])
+        return estimate_training_memory(fsdp2_cases.model_factory("qwen3_moe"), fsdp2_cases.batch, step=step)
+
+    one, two = fused(1), fused(2)
+    assert "fused_linear_cross_entropy_inside" in two.features
+    assert two.phases[-1].optimizer_state * 2 == one.phases[-1].optimizer_state

@@ -31,10 +31,10 @@ def loader(rank: int = 0, world: int = 1) -> Any:
     return StatefulDataLoader(Tokens(rank, world), batch_size=ROWS // world, shuffle=False)
 
 
-def module():
+def module(family: str = "llama"):
     from lightning_memkit.demo import HFCausalLM
 
-    return HFCausalLM("llama", hidden_size=64, num_layers=2, vocab_size=256, seed=0)
+    return HFCausalLM(family, hidden_size=64, num_layers=2, vocab_size=256, seed=0)
 
 
 def features() -> list:

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 WORKER = Path(__file__).with_name("_fsdp2_strategy_worker.py")
 
 
-def one_process(features: bool, qlora: bool = False) -> tuple[list[float], dict]:
+def one_process(features: bool, qlora: bool = False, family: str = "llama") -> tuple[list[float], dict]:
     import lightning.pytorch as pl
     import torch
 
@@ -27,7 +27,7 @@ def one_process(features: bool, qlora: bool = False) -> tuple[list[float], dict]
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(outputs["loss"].item())
 
-    model = fsdp2_data.module()
+    model = fsdp2_data.module(family)
     pl.Trainer(accelerator="cpu", devices=1, max_steps=fsdp2_data.STEPS,
                callbacks=[fsdp2_data.seeded(), Record(), *(fsdp2_data.features() if features else [])], logger=False,
                plugins=fsdp2_data.plugins() if qlora else None,
@@ -52,21 +52,27 @@ def test_the_strategy_is_a_model_parallel_strategy_that_needs_no_configure_model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("reshard", "features", "qlora"),
-                         [(True, False, False), (False, False, False), (True, True, False), (True, False, True)],
-                         ids=["full_shard", "shard_grad_op", "recompute+fused_loss", "nf4"])
-def test_two_ranks_train_as_one_process(tmp_path, reshard, features, qlora):
+@pytest.mark.parametrize(("reshard", "features", "qlora", "moe"),
+                         [(True, False, False, False), (False, False, False, False), (True, True, False, False),
+                          (True, True, False, True), (True, False, True, False)],
+                         ids=["full_shard", "shard_grad_op", "recompute+fused_loss", "moe+recompute+fused_loss",
+                              "nf4"])
+def test_two_ranks_train_as_one_process(tmp_path, reshard, features, qlora, moe):
     import torch
 
     args = ([str(tmp_path)] + ([] if reshard else ["keep"]) + (["features"] if features else [])
-            + (["nf4", "resume"] if qlora else []))
+            + (["nf4", "resume"] if qlora else []) + (["moe"] if moe else []))
     procs = ranks.launch(WORKER, args, 2, OMP_NUM_THREADS="1")
     for code, out in ranks.wait(procs, 240, "memkit_fsdp2 fit"):
         assert code == 0, out[-4000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    losses, state = one_process(features, qlora)
+    losses, state = one_process(features, qlora, "qwen3_moe" if moe else "llama")
     assert results[0]["strategy"] == "MemkitFSDP2Strategy" and results[0]["param"] == "DTensor"
     assert results[0]["losses"] == results[1]["losses"]
+    if moe:  # the router aux loss of each rank's half batch: DDP on the same ranks is the reference
+        assert results[0]["losses"] == pytest.approx(results[0]["ddp"], rel=1e-5, abs=1e-6)
+        assert results[0]["losses"][0] == pytest.approx(losses[0], rel=1e-5)  # the same model and batches
+        return
     assert results[0]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
     if qlora:  # stopped after step 2, resumed from its sharded checkpoint: the same last step
         assert results[0]["resumed"] == results[0]["losses"][-1:]
