@@ -2,7 +2,8 @@
 case of ``benchmarks.sharding_cases`` built
 as the estimate builds it, sharded over the gloo ranks as ``memkit_fsdp2`` shards it, two AdamW steps in Lightning's
 order; the per-phase live-byte peaks of the second step (``LivePeak`` from before the model is built, FSDP2's resizes
-counted) written to ``OUT/rank{r}.json``.
+counted) and its host peak written to ``OUT/rank{r}.json``; the Llama cases again with FSDP2's CPU offload, its host
+bytes placed as on a GPU.
 
     LOCAL_RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m benchmarks._sharding_worker OUT
 """
@@ -24,29 +25,38 @@ from lightning_memkit.estimate.levers.sharding import shard_transform  # noqa: E
 from lightning_memkit.estimate.step import build_model, default_dtype, precision_dtype  # noqa: E402
 from lightning_memkit.memory import LivePeak  # noqa: E402
 from lightning_memkit.sharding import visible_resizes  # noqa: E402
+from lightning_memkit.sharding.offload import offloaded_like_a_gpu_run, steps_on_host  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 
 
-def second_step(model: torch.nn.Module, live: LivePeak, precision: str) -> dict[str, int]:
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    phases = {}
-    for step in range(2):
-        record = step == 1
-        if record:
+def second_step(model: torch.nn.Module, live: LivePeak, precision: str, offload: bool = False) -> dict[str, int]:
+    def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+
+    optim = (steps_on_host(adamw) if offload else adamw)(model)
+    phases: dict[str, int] = {}
+    for _ in range(2):
+        host = 0
+
+        def mark(phase: str) -> None:
+            nonlocal host
+            phases[phase], host = live.peak_bytes, max(host, live.host_peak_bytes)
             live.reset_peak()
-        with default_dtype(precision_dtype(precision)):  # as Lightning's forward context
-            loss = model(**fsdp2_cases.batch()).loss
-        phases["forward"] = live.peak_bytes
-        optim.zero_grad(set_to_none=True)
+
         live.reset_peak()
+        batch = fsdp2_cases.batch()  # alive through the step, as Lightning's loop keeps it
+        with default_dtype(precision_dtype(precision)):  # as Lightning's forward context
+            loss = model(**batch).loss
+        mark("forward")
+        optim.zero_grad(set_to_none=True)
         loss.backward()
         del loss
-        phases["backward"] = live.peak_bytes
-        live.reset_peak()
+        mark("backward")
         optim.step()
-        phases["optimizer step"] = live.peak_bytes
+        mark("optimizer step")
+        phases["host"] = host
     del optim
     return phases
 
@@ -63,6 +73,13 @@ def main(out: Path) -> None:
         with visible_resizes(), LivePeak() as live:
             model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh)
             results[case] = second_step(model, live, precision)
+            del model
+    for case in fsdp2_cases.OFFLOADED:  # the host bytes placed as a GPU run places them
+        precision = fsdp2_cases.CASES[case][1]
+        with visible_resizes(), LivePeak() as live:
+            model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh, offload=True)
+            with offloaded_like_a_gpu_run(model):
+                results[f"{case} offloaded"] = second_step(model, live, precision, offload=True)
             del model
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

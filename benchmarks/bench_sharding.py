@@ -87,13 +87,19 @@ def _table(world: int) -> dict[str, Any]:
     if isinstance(measured, str):
         return record("sharding", case, "measured", [{"impl": "failed", "error": measured}], met=False)
     rows, worst = [], 0.0
-    for name in sharding_cases.CASES:
-        est = {p.phase: p.peak_bytes for p in sharding_cases.estimate(name, world).phases}
-        predicted = max(est[p] for p in PHASES)
-        peaks = [max(m[name][p] for p in PHASES) for m in measured]
+    cases = [(name, False) for name in sharding_cases.CASES] + [(name, True) for name in sharding_cases.OFFLOADED]
+    for name, offload in cases:
+        est = sharding_cases.estimate(name, world, offload=offload)
+        key = f"{name} offloaded" if offload else name
+        predicted = max(p.peak_bytes for p in est.phases if p.phase in PHASES)
+        peaks = [max(m[key][p] for p in PHASES) for m in measured]
         errors = [predicted / peak - 1 for peak in peaks]
+        if offload:  # the host bytes too
+            errors += [est.host_bytes / m[key]["host"] - 1 for m in measured]
         worst = max(worst, *(abs(e) for e in errors))
-        rows.append({"impl": name, "predicted B": predicted, **{f"rank {r} B": peak for r, peak in enumerate(peaks)},
+        rows.append({"impl": key, "predicted B": predicted, **{f"rank {r} B": peak for r, peak in enumerate(peaks)},
+                     "predicted host B": est.host_bytes if offload else "",
+                     "rank 0 host B": measured[0][key]["host"] if offload else "",
                      "worst error": f"{max(errors, key=abs):+.2%}"})
     return record("sharding", case, "measured", rows, goal="every rank's step peak within 5% of the estimate",
                   met=worst <= 0.05)

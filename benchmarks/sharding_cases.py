@@ -1,5 +1,6 @@
 """The models of the FSDP2 checks, built the same way by the gloo ranks (real) and the estimate (fake): a tiny
-transformers Llama in bf16, a Qwen3-MoE in float32, a Llama wrapped by peft (LoRA on q and v) in float32."""
+transformers Llama in bf16, a Qwen3-MoE in float32, a Llama wrapped by peft (LoRA on q and v) in float32; the Llamas
+once more with the shards, gradients and optimizer state offloaded to host memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 
 CASES = {"llama": ("llama", "bf16-true", False), "qwen3_moe": ("qwen3_moe", "32-true", False),
          "peft": ("llama", "32-true", True)}
+#: the cases run again with FSDP2's CPU offload, its host bytes placed as on a GPU (``offloaded_like_a_gpu_run``)
+OFFLOADED = ("llama", "peft")
 ROWS, SEQ = 2, 32
 
 
@@ -35,14 +38,13 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def estimate(case: str, ranks: int, reshard: bool = True):
-    """One rank's step of ``case`` sharded over ``ranks`` (``memkit_fsdp2``'s units), estimated on fake tensors."""
-    import functools
-
-    from lightning_memkit.estimate.levers.sharding import shard_transform
+def estimate(case: str, ranks: int, reshard: bool = True, offload: bool = False):
+    """One rank's step of ``case`` sharded over ``ranks`` (``memkit_fsdp2``'s units), estimated on fake tensors;
+    ``offload``: the sharding lever's ``full_shard_offload``."""
+    from lightning_memkit.estimate.levers.sharding import SHARDING
     from lightning_memkit.estimate.step import estimate_training_memory
     from lightning_memkit.estimate.step_spec import StepSpec, World
 
-    step = StepSpec(precision=CASES[case][1], world=World(shard=ranks),
-                    transforms=[functools.partial(shard_transform, reshard_after_forward=reshard)])
+    step = StepSpec(precision=CASES[case][1], world=World(replicate=ranks))
+    SHARDING.to_step("full_shard_offload" if offload else "full_shard" if reshard else "shard_grad_op", step)
     return estimate_training_memory(model_factory(case), batch, step=step, optimizer="adamw")

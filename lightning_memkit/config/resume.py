@@ -5,7 +5,8 @@ Lightning resolves ``ckpt_path="last"`` in the checkpoint folder of *this* run; 
 and trains from step 0 with one warning. :func:`last_checkpoint` looks where every ``ModelCheckpoint`` of the
 Trainer writes: its ``dirpath`` when given, else the ``checkpoints`` folder of every version of the logger's run (or
 of ``default_root_dir`` without a logger), and returns the newest ``last*.ckpt``. Nothing found is an error naming
-where it looked.
+where it looked. A sharded checkpoint (``memkit_fsdp2``: a ``last.ckpt`` folder of each rank's shards) counts as
+one.
 
 Example::
 
@@ -48,15 +49,25 @@ def checkpoint_folders(trainer: Any) -> list[Path]:
 
 
 def last_checkpoint(trainer: Any) -> Path:
-    """The newest ``last*.ckpt`` in :func:`checkpoint_folders` (by modification time); a :class:`ConfigError`
-    naming the folders when there is none, or when the Trainer saves no checkpoint."""
+    """The newest ``last*.ckpt`` (a file, or a sharded checkpoint's folder) in :func:`checkpoint_folders`, by the time
+    it was written; a :class:`ConfigError` naming the folders when there is none, or when the Trainer saves no
+    checkpoint."""
     folders = checkpoint_folders(trainer)
     if not folders:
         raise ConfigError("--ckpt_path last: this run saves no checkpoint (no ModelCheckpoint callback, or "
                           "enable_checkpointing: false); give a checkpoint's path", hint=False)
-    found = [p for folder in folders for p in folder.glob("last*.ckpt") if p.is_file()]
+    found = {p: t for folder in folders for p in folder.glob("last*.ckpt") if (t := _saved_at(p)) is not None}
     if not found:
         where = ", ".join(str(f) for f in folders)
         raise ConfigError(f"--ckpt_path last: no last*.ckpt in {where}; nothing to resume (leave --ckpt_path out to "
                           "start from step 0, or give a checkpoint's path)", hint=False)
-    return max(found, key=lambda p: (p.stat().st_mtime_ns, str(p)))
+    return max(found, key=lambda p: (found[p], str(p)))
+
+
+def _saved_at(path: Path) -> int | None:
+    """When the checkpoint at ``path`` was written (ns): a file's time, or a sharded checkpoint's (a folder of
+    ``torch.distributed.checkpoint``, as ``memkit_fsdp2`` saves one) metadata's; ``None``: not a checkpoint."""
+    if path.is_file():
+        return path.stat().st_mtime_ns
+    metadata = path / ".metadata"
+    return metadata.stat().st_mtime_ns if metadata.is_file() else None

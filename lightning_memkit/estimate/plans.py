@@ -74,9 +74,10 @@ class PlanResult:
         """A LightningCLI YAML fragment to pass after the run's own config (``--config base.yaml --config this``)."""
         import yaml
 
-        host = f" and {format_bytes(self.host_bytes)} of host memory" if self.host_bytes else ""
+        per = " per rank" if self.plan["stages"] > 1 or getattr(self.run, "devices", 1) > 1 else ""
+        host = f" and {format_bytes(self.host_bytes)} of host memory{per}" if self.host_bytes else ""
         head = (f"# {self.plan.describe(self.run.base)}: predicted peak {format_bytes(self.peak_bytes)}"
-                f"{' per rank' if self.plan['stages'] > 1 else ''}{host}, step time {self.overhead:+.0%} "
+                f"{per}{host}, step time {self.overhead:+.0%} "
                 "(predicted)\n")
         notes = "".join(f"# {n}\n" for n in self.run.notes(self.plan))
         return head + notes + yaml.safe_dump(self.run.fragment(self.plan), sort_keys=False)
@@ -306,8 +307,9 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     host_free = host_budget if host_budget is not None else free_device_memory("cpu")
 
     def fits(est: Any) -> bool:
-        """Within the budget, and the host memory it needs free now (a pinned page cannot be swapped)."""
-        host = getattr(est, "host_bytes", 0)
+        """Within the budget, and the host memory it needs free now (a pinned page cannot be swapped): every rank
+        of the run's devices (one machine's) keeps its own."""
+        host = getattr(est, "host_bytes", 0) * getattr(run, "devices", 1)
         return est.peak_bytes * (1 + margin) <= budget_bytes and (not host or host_free is None or host <= host_free)
 
     search = _Search(run, machine or run.machine(), fits,

@@ -126,6 +126,7 @@ class MemoryEstimate:
     host_bytes: int = 0  # the step's peak of host memory (offloaded bytes), apart from the device peak_bytes
     optimizer_step_bytes: int = 0  # of step_bytes, those optimizer.step() creates (once per optimizer step)
     host_steady_bytes: int = 0  # of host_bytes, those alive through the step (an offloaded optimizer's state)
+    parameter_bytes: int = 0  # the parameters' bytes as this rank holds them (its shards), on the device or the host
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -419,19 +420,25 @@ def build_model(model_factory: Callable[[], nn.Module], precision: str, plugin: 
     return model.train()
 
 
-def _foreach_step_bytes(optim: torch.optim.Optimizer) -> int:
+def _foreach_step_bytes(optim: torch.optim.Optimizer, tracker: CategoryTracker) -> int:
     """On CUDA ``optimizer.step()`` runs its ``foreach`` implementation: the bytes its temporaries take beyond the
-    CPU path's, which they replace."""
+    CPU path's, which they replace. Not for parameters in host memory (FSDP2's offloaded shards): they step on the
+    host, one by one."""
     from lightning_memkit.pipeline.cost import optimizer_step_bytes
 
-    params = [p.to_local() if hasattr(p, "to_local") else p  # a sharded parameter steps on its shard
-              for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    params = [_local(p) for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    params = [p for p in params if not tracker.on_host(p)]
     if not params or type(optim).__name__.lower() not in ("adam", "adamw", "sgd"):
         return 0
     group = optim.param_groups[0]
     hp = {k: group[k] for k in ("weight_decay", "maximize", "nesterov") if k in group}
     return (optimizer_step_bytes(params, type(optim), foreach=True, **hp)
             - optimizer_step_bytes(params, type(optim), foreach=False, **hp))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``p``: its shard where ``p`` is sharded (a ``DTensor``)."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _assumptions(experts: bool, target: str = "cpu", replicas: bool = False) -> list[str]:
@@ -566,6 +573,7 @@ class StepTrace:
     host_bytes: int = 0  # the recorded step's host peak (offloaded bytes)
     optimizer_bytes: int = 0  # of allocated, the bytes optimizer.step() created
     host_steady: int = 0  # host bytes alive when the recorded step starts
+    parameter_bytes: int = 0  # the parameters' bytes as this rank holds them (0: not traced whole)
 
     def estimate(self, optimizer: str, seconds: float) -> MemoryEstimate:
         return MemoryEstimate(phases=self.phases, peak_bytes=max(p.peak_bytes for p in self.phases[1:]),
@@ -575,7 +583,7 @@ class StepTrace:
                                                        any(f.startswith("DDP gradient") for f in self.features)),
                               seconds=seconds, step_flops=self.flops, step_bytes=self.allocated,
                               host_bytes=self.host_bytes, optimizer_step_bytes=self.optimizer_bytes,
-                              host_steady_bytes=self.host_steady)
+                              host_steady_bytes=self.host_steady, parameter_bytes=self.parameter_bytes)
 
 
 class WarmupMismatch(RuntimeError):
@@ -658,18 +666,19 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
                 raise WarmupMismatch(f"{_OWNER}: the recorded step after a synthetic warm-up is not a steady state "
                                      f"({len(kept)} new storages kept, gradients {same})")
         phases = [PhaseEstimate.from_peak(name, tracker.phase_peaks[name]) for name in ("load", *STEP_PHASES)]
-        foreach = _foreach_step_bytes(optim) if target == "cuda" else 0
+        foreach = _foreach_step_bytes(optim, tracker) if target == "cuda" else 0
         phases[-1].peak_bytes += foreach
         phases[-1].transient += foreach
         counts = (sum(p.numel() for p in model.parameters()),
-                  sum(p.numel() for g in optim.param_groups for p in g["params"]))
+                  sum(p.numel() for g in optim.param_groups for p in g["params"]),
+                  sum(_local(p).nbytes for p in model.parameters()))
         layers = [name for name, _ in blocks]
         host = max(tracker.host_peaks.get(name, 0) for name in STEP_PHASES)
         label = _precision_label(precision, plugin, model)
         del run, model, optim, blocks, buckets
     return StepTrace(phases, counts[0], counts[1], label, features,
                      fast.flops, tracker.allocated, target, foreach, events, layers, host,
-                     tracker.allocated_by_phase.get("optimizer step", 0), steady)
+                     tracker.allocated_by_phase.get("optimizer step", 0), steady, counts[2])
 
 
 def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],

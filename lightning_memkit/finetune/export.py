@@ -43,7 +43,7 @@ _CALLBACK = "ExportAdapters"
 
 
 def export_adapters(module: nn.Module, directory: str | Path, *, base: str | None = None,
-                    base_dtype: str | torch.dtype | None = None) -> Path:
+                    base_dtype: str | torch.dtype | None = None) -> Path | None:
     """Write the adapters of the transformers model inside ``module`` to ``directory`` (see the module).
 
     Args:
@@ -56,23 +56,38 @@ def export_adapters(module: nn.Module, directory: str | Path, *, base: str | Non
             :class:`~lightning_memkit.finetune.PretrainedCausalLM` records it, else the dtype of the model's input
             embedding).
 
+    A module sharded by FSDP2 (``strategy="memkit_fsdp2"``: its parameters ``DTensor``): every rank calls it, its
+    trainable parameters are gathered whole (a collective; nothing frozen is gathered) and global rank 0 writes the
+    same files as one device would; the other ranks return ``None``.
+
     Returns the directory. Raises ``ValueError`` when the model has no adapters, or adapters peft cannot hold
     (the experts' adapters of a quantized MoE model).
     """
     model, quantization, peft_model, own = _checked(module)  # every refusal before anything is written
+    whole = _whole_trainables(module)
+    if whole and torch.distributed.get_rank() != 0:
+        return None
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     if peft_model is not None:
         base = base or peft_model.peft_config["default"].base_model_name_or_path
-        peft_model.save_pretrained(str(out))
+        state = {name: whole[id(p)] for name, p in peft_model.named_parameters() if id(p) in whole}
+        peft_model.save_pretrained(str(out), state_dict=state or None)
     else:
         base = base or getattr(model.config, "_name_or_path", None)
-        _save_own(*own, out, base)
+        _save_own(*own, out, base, whole)
     dtype = _base_dtype(module, model, base_dtype)
     (out / BASE_FILE).write_text(json.dumps({
         "base_model_name_or_path": base, "dtype": dtype, "bitsandbytes_config": quantization,
     }, indent=2) + "\n")
     return out
+
+
+def _whole_trainables(module: nn.Module) -> dict[int, torch.Tensor]:
+    """The trainable parameters of ``module`` sharded by FSDP2 (``DTensor``), each gathered whole (by ``id``), in
+    the module's order on every rank; ``{}`` when none is sharded (no collective)."""
+    return {id(p): p.detach().full_tensor() for p in module.parameters()
+            if p.requires_grad and hasattr(p, "full_tensor")}
 
 
 def _the_model(module: nn.Module, owner: str = _OWNER) -> nn.Module:
@@ -152,9 +167,10 @@ def _own_adapters(model: nn.Module, owner: str = _OWNER) -> tuple[dict[str, LoRA
     return layers, shapes.pop()
 
 
-def _save_own(layers: dict[str, LoRAAdapter], shape: tuple[int, float, float], out: Path, base: str | None) -> None:
+def _save_own(layers: dict[str, LoRAAdapter], shape: tuple[int, float, float], out: Path, base: str | None,
+              whole: dict[int, torch.Tensor]) -> None:
     """``NoSaveBitsandbytesPrecision``'s adapters (:func:`_own_adapters`) as a peft LoRA adapter (the same names,
-    shapes and scaling)."""
+    shapes and scaling); a sharded one's values from ``whole`` (:func:`_whole_trainables`)."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
@@ -163,8 +179,8 @@ def _save_own(layers: dict[str, LoRAAdapter], shape: tuple[int, float, float], o
                base_model_name_or_path=base).save_pretrained(str(out))
     tensors = {}
     for name, adapter in layers.items():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = adapter.A.detach().cpu().contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = adapter.B.detach().cpu().contiguous()
+        for key, p in (("lora_A", adapter.A), ("lora_B", adapter.B)):
+            tensors[f"base_model.model.{name}.{key}.weight"] = whole.get(id(p), p).detach().cpu().contiguous()
     save_file(tensors, str(out / "adapter_model.safetensors"))
 
 
@@ -276,11 +292,12 @@ def _adapters(owner: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]
     return []
 
 
-_SHARDED = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")  # strategies whose ranks hold shards
+_SHARDED = ("FSDPStrategy", "DeepSpeedStrategy")  # strategies whose ranks hold flat shards, not DTensors
 
 
 class ExportAdapters(Callback):
-    """Export the adapters (:func:`export_adapters`) at the end of ``fit``, on global rank 0.
+    """Export the adapters (:func:`export_adapters`) at the end of ``fit``, from global rank 0 (under
+    ``memkit_fsdp2`` or another FSDP2 ``ModelParallelStrategy``, the adapters gathered from every rank first).
 
     A model that will have nothing to export (no adapters, none that the precision plugin adds, or the experts'
     adapters of a quantized MoE model) is refused with one line by :meth:`preflight`, before any training:
@@ -312,8 +329,8 @@ class ExportAdapters(Callback):
         sharded = base_named(trainer.strategy, _SHARDED)
         if sharded is not None:
             raise ValueError(f"{_CALLBACK}: under {type(trainer.strategy).__name__} (a {sharded}) each rank holds a "
-                             "shard of the adapters, and exporting them from a sharded run is not supported yet; "
-                             "leave this callback out (the run's sharded checkpoint keeps them)")
+                             "flat shard of the adapters, which is not exported; allowed: strategy='memkit_fsdp2' "
+                             "(FSDP2), DDP or one device")
         _check_before_conversion(pl_module, trainer.precision_plugin, _CALLBACK)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -324,8 +341,12 @@ class ExportAdapters(Callback):
         _checked(pl_module, _CALLBACK)  # the model is converted by now: refuse before training, not after it
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
+        from lightning_memkit.sharding import is_sharded
+
+        if not trainer.is_global_zero and not is_sharded(pl_module):  # sharded: every rank gathers
             return
         directory = self.dirpath or str(Path(trainer.default_root_dir) / "adapters")
-        self.written = export_adapters(pl_module, directory)
-        print(f"ExportAdapters: adapters written to {self.written} (load: see {self.written / BASE_FILE})")
+        written = export_adapters(pl_module, directory)
+        if trainer.is_global_zero:
+            self.written = written
+            print(f"ExportAdapters: adapters written to {written} (load: see {written / BASE_FILE})")

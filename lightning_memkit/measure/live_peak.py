@@ -366,6 +366,11 @@ class LivePeak:
             delta, entry.nbytes = nbytes - entry.nbytes, nbytes
             self._change(entry.device, delta)
 
+    def on_host(self, t: torch.Tensor) -> bool:
+        """Whether this tracker counts ``t``'s storage as host memory."""
+        entry = self._entries.get(storage_key(t)) if has_storage(t) else None
+        return entry is not None and entry.device == HOST
+
     def _to_host(self, t: torch.Tensor) -> None:
         with self._lock:
             entry = self._entries.get(storage_key(t)) if has_storage(t) else None

@@ -79,7 +79,7 @@ class MemkitFSDP2Strategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.offload:  # offloaded: the state stays on the host
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard(self, module: Any) -> None:

@@ -53,6 +53,12 @@ def test_the_estimate_of_a_rank_matches_the_gloo_ranks(tmp_path, world):
         # after the collective returns, which a rank then sees beside the next unit's: at most the largest unit's
         peak = max(est[p] for p in PHASES) * 1.05 + largest_unit_gradients(case)
         assert max(max(m[case][p] for p in PHASES) for m in measured) <= peak, case
+    for case in fsdp2_cases.OFFLOADED:  # the device and host bytes FSDP2's CPU offload leaves a rank
+        offloaded = estimate(case, world, offload=True)
+        est = {p.phase: p.peak_bytes for p in offloaded.phases}
+        for phase in PHASES:
+            assert est[phase] == pytest.approx(measured[0][f"{case} offloaded"][phase], rel=0.05), (case, phase)
+        assert offloaded.host_bytes == pytest.approx(measured[0][f"{case} offloaded"]["host"], rel=0.05), case
 
 
 def largest_unit_gradients(case: str) -> int:
@@ -172,3 +178,67 @@ def test_a_sharded_moe_step_fuses_its_loss_with_the_router_aux_loss():
     one, two = fused(1), fused(2)
     assert "fused_linear_cross_entropy_inside" in two.features
     assert two.phases[-1].optimizer_state * 2 == one.phases[-1].optimizer_state
+
+
+def test_an_offloaded_rank_keeps_its_shards_gradients_and_state_in_host_memory():
+    """``full_shard_offload``: the shards, their gradients and AdamW's state, exactly full_shard's bytes of them, are
+    host memory through the step; the device keeps none of them (a few buffers), so its peak falls by at least what
+    went to the host less one unit's gathered shards; the CUDA foreach temporaries go too (the host steps)."""
+    from lightning_memkit.estimate.levers.sharding import SHARDING
+    from lightning_memkit.estimate.step import estimate_training_memory
+    from lightning_memkit.estimate.step_spec import StepSpec, World
+
+    def estimate(choice: str):
+        step = StepSpec(precision="bf16-true", world=World(replicate=2), target="cuda")
+        SHARDING.to_step(choice, step)
+        return estimate_training_memory(fsdp2_cases.model_factory("llama"), fsdp2_cases.batch, step=step,
+                                        optimizer="adamw")
+
+    sharded, offloaded = estimate("full_shard"), estimate("full_shard_offload")
+    s, o = sharded.phases[-1], offloaded.phases[-1]
+    buffers = s.weights - sharded.parameter_bytes
+    kept = sharded.parameter_bytes + s.gradients + s.optimizer_state  # what a sharded rank keeps between steps
+    assert offloaded.host_steady_bytes == kept and offloaded.parameter_bytes == sharded.parameter_bytes
+    assert o.weights == buffers and o.gradients == o.optimizer_state == 0
+    assert offloaded.peak_bytes <= sharded.peak_bytes - kept + largest_unit_parameters("llama") // 2
+    assert sharded.host_bytes == 0 and "offloaded_like_a_gpu_run" in offloaded.features
+    assert s.transient > 0 == o.transient  # no foreach temporaries on the device at the optimizer step
+
+
+def largest_unit_parameters(case: str) -> int:
+    """The bytes of the largest FSDP2 unit's parameters as one process holds them (gathered)."""
+    from lightning_memkit.estimate.step import build_model
+    from lightning_memkit.hf.layers import decoder_layers
+
+    model = build_model(fsdp2_cases.model_factory(case), fsdp2_cases.CASES[case][1])
+    blocks = [m for _, m in decoder_layers(model)]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    units = [list(b.parameters()) for b in blocks] + [[p for p in model.parameters() if id(p) not in in_blocks]]
+    return max(sum(p.numel() * p.element_size() for p in unit) for unit in units)
+
+
+def test_the_offload_choice_is_written_read_and_priced_over_the_host_link():
+    """``full_shard_offload`` writes ``memkit_fsdp2`` with ``offload: true``, reads back from it, and costs each
+    gather's shards up and the gradients' shards down the host link per micro-batch, and the host's AdamW step."""
+    from types import SimpleNamespace
+
+    from lightning_memkit.estimate.levers.base import StepCost, Written
+    from lightning_memkit.estimate.levers.sharding import SHARDING
+    from lightning_memkit.measure.machine import MachineBalance
+
+    run = SimpleNamespace(devices=4, allows=lambda name: True)
+    assert SHARDING.options(None, run)[-1] == "full_shard_offload"
+    out = Written()
+    SHARDING.write_hf({"sharding": "full_shard_offload"}, run, out)
+    strategy = out.trainer["strategy"]
+    assert strategy["init_args"] == {"reshard_after_forward": True, "offload": True}
+    assert SHARDING.read_config({"strategy": strategy}) == "full_shard_offload"
+    est = SimpleNamespace(phases=[SimpleNamespace(weights=7)] * 2, parameter_bytes=100, trainable_parameters=50,
+                          precision="32-true")
+    cpu = MachineBalance("cpu", {"float32": 1.0}, 1.0, link_bytes_per_s=2.0, host_memory_bytes_per_s=5.0,
+                         collective_bytes_per_s=3.0)
+    full = SHARDING.scale_cost("full_shard", None, StepCost(10.0), run, est, cpu)
+    offload = SHARDING.scale_cost("full_shard_offload", None, StepCost(10.0), run, est, cpu)
+    assert offload.micro == full.micro and full.link == full.once == 0
+    assert offload.link == pytest.approx((2 * 100 + 50 * 4 / 4) / 2.0)  # two gathers' shards, a rank's gradients
+    assert offload.once == pytest.approx(7 * 50 * 4 / 4 / 5.0)

@@ -7,7 +7,9 @@ step, the strategy, the parameters' type and the state dict gathered whole, writ
 ``keep``: ``reshard_after_forward=False``; ``features``: with ``fsdp2_data.features()`` (activation checkpointing, the
 fused loss); ``moe``: a Qwen3-MoE (its router aux loss on) instead of the Llama, fit with DDP too (``ddp``: its
 losses; each rank's aux loss is its own batch's, so DDP, not one process, is the reference); ``nf4``: the QLoRA
-plugin (``fsdp2_data.plugins()``: nf4, LoRA rank 8, float32 compute); ``resume``: the
+plugin (``fsdp2_data.plugins()``: nf4, LoRA rank 8, float32 compute), its adapters exported at the end of the fit
+(``ExportAdapters`` to ``OUT/adapters``); ``peft``: the model wrapped by peft, its adapters the ones trained;
+``resume``: the
 fit stopped after its second step with a checkpoint (each rank its shards, ``torch.distributed.checkpoint``), then a
 new Trainer resumed from it for the last step (``resumed``: that step's loss).
 """
@@ -46,37 +48,40 @@ class MeanLoss(pl.Callback):
 
 
 def fit(rank: int, world: int, reshard: bool, features: bool, qlora: bool, steps: int, checkpoints: Path | None = None,
-        resume: str | None = None, family: str = "llama", strategy: str = "memkit_fsdp2",
-        ) -> tuple[pl.LightningModule, pl.Trainer, MeanLoss]:
+        resume: str | None = None, family: str = "llama", strategy: str = "memkit_fsdp2", peft: bool = False,
+        export: Path | None = None) -> tuple[pl.LightningModule, pl.Trainer, MeanLoss]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    model = fsdp2_data.module(family)
+    from lightning_memkit.finetune import ExportAdapters
+
+    model = fsdp2_data.module(family, peft)
     record = MeanLoss()
     saving = [ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=1)] if checkpoints else []
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
                          callbacks=[fsdp2_data.seeded(), record, *(fsdp2_data.features() if features else []),
-                                    *saving], logger=False,
+                                    *saving, *([ExportAdapters(str(export))] if export else [])], logger=False,
                          enable_checkpointing=bool(checkpoints), enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False,
-                         plugins=fsdp2_data.plugins() if qlora else None)
+                         plugins=fsdp2_data.plugins(peft) if qlora else None)
     if strategy == "memkit_fsdp2":
         trainer.strategy.reshard_after_forward = reshard
     trainer.fit(model, fsdp2_data.loader(rank, world), ckpt_path=resume)
     return model, trainer, record
 
 
-def main(out: Path, reshard: bool, features: bool, qlora: bool, resume: bool, family: str) -> None:
+def main(out: Path, reshard: bool, features: bool, qlora: bool, resume: bool, family: str, peft: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    model, trainer, record = fit(rank, world, reshard, features, qlora, fsdp2_data.STEPS, family=family)
+    model, trainer, record = fit(rank, world, reshard, features, qlora, fsdp2_data.STEPS, family=family, peft=peft,
+                                 export=out / "adapters" if qlora else None)
     resumed = None
     ddp = fit(rank, world, reshard, features, qlora, fsdp2_data.STEPS, family=family, strategy="ddp")[2].losses \
         if family != "llama" else None
     if resume:
-        fit(rank, world, reshard, features, qlora, fsdp2_data.STEPS - 1, checkpoints=out / "checkpoints")
+        fit(rank, world, reshard, features, qlora, fsdp2_data.STEPS - 1, checkpoints=out / "checkpoints", peft=peft)
         last = out / "checkpoints" / "last.ckpt"
-        resumed = fit(rank, world, reshard, features, qlora, fsdp2_data.STEPS, resume=str(last))[2].losses
+        resumed = fit(rank, world, reshard, features, qlora, fsdp2_data.STEPS, resume=str(last), peft=peft)[2].losses
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     param = next(model.parameters())
     (out / f"rank{rank}.json").write_text(json.dumps({
@@ -88,4 +93,4 @@ def main(out: Path, reshard: bool, features: bool, qlora: bool, resume: bool, fa
 if __name__ == "__main__":
     flags = sys.argv[2:]
     main(Path(sys.argv[1]), "keep" not in flags, "features" in flags, "nf4" in flags, "resume" in flags,
-         "qwen3_moe" if "moe" in flags else "llama")
+         "qwen3_moe" if "moe" in flags else "llama", "peft" in flags)

@@ -31,10 +31,12 @@ def loader(rank: int = 0, world: int = 1) -> Any:
     return StatefulDataLoader(Tokens(rank, world), batch_size=ROWS // world, shuffle=False)
 
 
-def module(family: str = "llama"):
+def module(family: str = "llama", peft: bool = False):
+    """The tiny model; ``peft``: wrapped by peft (LoRA of rank 8 on q and v: the only trainable parameters)."""
     from lightning_memkit.demo import HFCausalLM
 
-    return HFCausalLM(family, hidden_size=64, num_layers=2, vocab_size=256, seed=0)
+    lora = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]} if peft else None
+    return HFCausalLM(family, hidden_size=64, num_layers=2, vocab_size=256, seed=0, peft_lora=lora)
 
 
 def features() -> list:
@@ -44,13 +46,14 @@ def features() -> list:
     return [ActivationCheckpointing(), FusedLinearCrossEntropy()]
 
 
-def plugins() -> list:
-    """The QLoRA plugin of the quantized checks: nf4 weights, LoRA adapters of rank 8, float32 compute."""
+def plugins(peft: bool = False) -> list:
+    """The QLoRA plugin of the quantized checks: nf4 weights, LoRA adapters of rank 8 (``peft``: none, peft's
+    train), float32 compute."""
     import torch
 
     from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
 
-    return [NoSaveBitsandbytesPrecision("nf4", torch.float32, lora_rank=8)]
+    return [NoSaveBitsandbytesPrecision("nf4", torch.float32, lora_rank=0 if peft else 8)]
 
 
 def seeded() -> Any:
