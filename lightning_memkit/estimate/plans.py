@@ -177,8 +177,10 @@ class _Search:
     fits: Callable[[Any], bool]
     say: Callable[[str], None]
     max_estimates: int
+    device_fits: Callable[[Any], bool] = bool
     fitting: list[PlanResult] = field(default_factory=list)
-    failed: list[Plan] = field(default_factory=list)
+    failed: list[Plan] = field(default_factory=list)  # over the device budget: a weaker plan cannot fit either
+    host_failed: list[Plan] = field(default_factory=list)  # within it, over the host memory: rules nothing out
     estimated: int = 0
     skipped: int = 0
     capped: int = 0  # plans left out by max_estimates
@@ -225,8 +227,8 @@ class _Search:
         self.overheads.append((plan, result.overhead))
         if result.fits:
             self.fitting.append(result)
-        else:
-            self.failed.append(plan)
+        else:  # a weaker plan offloads less: one over the host memory may fit
+            (self.host_failed if self.device_fits(est) else self.failed).append(plan)
         return result, cost
 
     def _progress(self, plan: Plan) -> str:
@@ -306,14 +308,17 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
         raise ValueError(f"search_plans(margin=...) must be in [0, 1), got {margin!r}")
     host_free = host_budget if host_budget is not None else free_device_memory("cpu")
 
+    def device_fits(est: Any) -> bool:
+        return est.peak_bytes * (1 + margin) <= budget_bytes
+
     def fits(est: Any) -> bool:
         """Within the budget, and the host memory it needs free now (a pinned page cannot be swapped): every rank
         of the run's devices (one machine's) keeps its own."""
         host = getattr(est, "host_bytes", 0) * getattr(run, "devices", 1)
-        return est.peak_bytes * (1 + margin) <= budget_bytes and (not host or host_free is None or host <= host_free)
+        return device_fits(est) and (not host or host_free is None or host <= host_free)
 
     search = _Search(run, machine or run.machine(), fits,
-                     progress or (lambda _line: None), max_estimates)
+                     progress or (lambda _line: None), max_estimates, device_fits)
     ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: p.search_order(run.base))
     tops = _strongest([run.base, *ordered])
     search.queue = [*tops, *(p for p in ordered if p not in tops)]
@@ -323,7 +328,8 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
                             time.perf_counter() - search.start)  # nothing ranked
     tried = [(top, (base, base_cost) if top == run.base else search.try_plan(top)) for top in tops]
     # None: ruled out by a fitting base (only adds work) or the limit
-    open_tops = [(top, found) for top, found in tried if found is None or found[0].fits]
+    open_tops = [(top, found) for top, found in tried
+                 if found is None or found[0].fits or top in search.host_failed]
     if open_tops:
         top, strongest = open_tops[0]
         probes = _probes(top, ordered) if _tight(strongest, base, budget_bytes, margin) else []
