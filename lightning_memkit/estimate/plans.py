@@ -327,9 +327,14 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
         return SearchResult(budget_bytes, margin, base, [base], search.estimated, len(search.queue), 0,
                             time.perf_counter() - search.start)  # nothing ranked
     tried = [(top, (base, base_cost) if top == run.base else search.try_plan(top)) for top in tops]
-    # None: ruled out by a fitting base (only adds work) or the limit
-    open_tops = [(top, found) for top, found in tried
-                 if found is None or found[0].fits or top in search.host_failed]
+    if any(top in search.host_failed for top in tops):  # the strongest keep more than the host memory holds
+        light = [top for top in _strongest([p for p in ordered if not p.uses_host()]) if top not in tops]
+        search.queue = [*light, *(p for p in search.queue if p not in light)]
+        tried += [(top, search.try_plan(top)) for top in light]
+    # None: ruled out by a fitting base (only adds work) or the limit; over the host memory only: weaker may fit
+    open_tops = sorted(((top, found) for top, found in tried
+                        if found is None or found[0].fits or top in search.host_failed),
+                       key=lambda t: t[0] in search.host_failed)
     if open_tops:
         top, strongest = open_tops[0]
         probes = _probes(top, ordered) if _tight(strongest, base, budget_bytes, margin) else []

@@ -231,3 +231,20 @@ def test_hf_fragments_parse_as_lightningcli_configs(plan: Plan, llama_json: Path
     else:
         assert trainer["precision"] == plan["precision"]
     assert trainer["accumulate_grad_batches"] == 4 // plan["micro_batch"]
+
+
+def test_a_plan_over_the_host_memory_only_rules_out_no_weaker_plan(llama_json: Path) -> None:
+    """The strongest plan offloads activations and fits the device, but not the host memory given: the search tries
+    the strongest plan that keeps nothing on the host next, and finds the fitting plans without offload (a plan
+    over the device budget would rule out every weaker one; one over the host memory rules out none)."""
+    run = HFRun(llama_json, seq_len=64, batch_size=2, allow=("recompute", "offload_activations"))
+    light = run.estimate(run.base.replace(recompute="full"))
+    budget = int(light.peak_bytes * 1.06)
+    assert run.estimate(run.base).peak_bytes * 1.05 > budget
+    result = search_plans(run, budget, host_budget=1)
+    recomputed = run.base.replace(recompute="full")
+    assert recomputed.replace(offload_activations=True).uses_host() and not recomputed.uses_host()
+    assert result.fitting and all(not r.plan.uses_host() and r.host_bytes == 0 for r in result.fitting)
+    assert recomputed in [r.plan for r in result.fitting]
+    with_host = search_plans(run, budget, host_budget=1 << 40)  # the host holds it: the offload plans may fit too
+    assert any(r.plan.uses_host() for r in with_host.fitting)

@@ -118,6 +118,7 @@ class Lever:
             the step time model's cost: a plan without it costs at least as much as the same plan with it).
         runs_sharded: whether its choices other than the default run with the parameters sharded (FSDP2); a plan
             that shards with one that does not is not tried.
+        host_choices: the choices that keep bytes in host memory (a plan over the host memory may fit without them).
     """
 
     name = ""
@@ -129,6 +130,7 @@ class Lever:
     opt_in = False
     reorders_only = False
     runs_sharded = True
+    host_choices: tuple[Any, ...] = ()
     default: Any = None
 
     def strength(self, choice: Any) -> int:

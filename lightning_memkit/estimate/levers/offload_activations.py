@@ -38,6 +38,7 @@ class OffloadActivations(SwitchLever):
     wraps_module = True
     label, change_label = "activation offload", "activation offload to host memory"
     runs_sharded = False  # it would copy each unit's gathered weights, saved for backward, to host memory too
+    host_choices = (True,)
 
     def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any, est: Any = None,
                    machine: Any = None) -> StepCost:

@@ -23,6 +23,7 @@ class OffloadOptimizerLever(OptimizerStateLever):
     name, kind, keeps_math = "offload_optimizer", "work", True
     callback = "lightning_memkit.callbacks.OffloadOptimizer"
     label = "optimizer state on the host"
+    host_choices = (True,)
 
     def scale_cost(self, choice: Any, base: Any, cost: StepCost, run: Any, est: Any = None,
                    machine: Any = None) -> StepCost:

@@ -73,6 +73,10 @@ class Plan(Mapping[str, Any]):
         """Per lever, how much the choice lowers memory (larger: more)."""
         return tuple(x.strength(v) for x, v in zip(LEVERS, self._values, strict=True))
 
+    def uses_host(self) -> bool:
+        """Whether a lever's choice keeps bytes in host memory (``host_choices``)."""
+        return any(v in x.host_choices for x, v in zip(LEVERS, self._values, strict=True))
+
     def at_most(self, other: Plan) -> bool:
         """Whether every lever of this plan lowers memory no more than ``other``'s does."""
         return all(a <= b for a, b in zip(self.strength(), other.strength(), strict=True))

@@ -55,6 +55,7 @@ def shard_transform(model: Any, reshard_after_forward: bool = True, mesh: Any = 
 class Sharding(Lever):
     name, kind, keeps_math, default = "sharding", "work", True, None
     callback = None  # the strategy carries it
+    host_choices = (_OFFLOAD,)
 
     def strength(self, choice: Any) -> int:
         return _STRENGTH[choice]
