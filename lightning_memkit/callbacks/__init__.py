@@ -16,6 +16,7 @@ from lightning_memkit.callbacks.peak_memory_monitor import PeakMemoryMonitor
 from lightning_memkit.callbacks.phase_memory_release import PhaseMemoryRelease
 from lightning_memkit.callbacks.saved_tensor_profiler import SavedTensorProfiler
 from lightning_memkit.callbacks.stage_boundary_release import StageBoundaryRelease
+from lightning_memkit.callbacks.tiled_mlp import TiledMLP
 
 __all__ = [
     "ActivationCheckpointing",
@@ -32,6 +33,7 @@ __all__ = [
     "PeakMemoryMonitor",
     "SavedTensorProfiler",
     "StageBoundaryRelease",
+    "TiledMLP",
 ]
 
 register_pipeline_strategy()  # strategy="memkit_pipeline" works once Lightning is imported with this

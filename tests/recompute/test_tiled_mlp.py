@@ -1,0 +1,143 @@
+"""Tiled MLP against the untiled one: the same loss, the same gradients to float32 rounding, and a measured peak at
+least one MLP intermediate (per layer, less a tile) lower, for dense, mixture-of-experts, Gemma and peft-wrapped
+models, with recomputation and under QLoRA; the callback over a fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_memkit.memory import LivePeak
+from lightning_memkit.recompute.tiled_mlp import mlp_targets, tiled_mlps
+
+pytest.importorskip("transformers")
+TILE = 64
+
+
+def build(case: str):
+    from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
+
+    family = {"peft": "llama"}.get(case, case)
+    model = tiny_hf_causal_lm(family, seed=0, hidden_size=64, num_layers=2)
+    if case == "peft":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "up_proj", "down_proj"]))
+    return model
+
+
+def step(model, tokens: int, tile: int | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """One forward and backward of one sequence of ``tokens``: the loss, the gradients and the measured peak."""
+    ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
+    model.zero_grad(set_to_none=True)
+    with LivePeak() as live, tiled_mlps(model, tile) if tile else _nothing():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, live.peak_bytes
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def intermediate_rows_bytes(model, tokens: int) -> int:
+    """The bytes of one MLP intermediate of every layer beyond a tile: ``(tokens - tile) x intermediate`` float32
+    values per layer (a dense MLP), ``top_k`` times as many rows over the experts (a mixture of experts)."""
+    config = model.config
+    layers = len(mlp_targets(model))
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        width = config.moe_intermediate_size if hasattr(config, "moe_intermediate_size") else config.intermediate_size
+        rows = (tokens - TILE) * config.num_experts_per_tok
+        return layers * rows * width * 4
+    return layers * (tokens - TILE) * config.intermediate_size * 4
+
+
+def assert_same(plain, tiled) -> None:
+    assert torch.equal(plain[0], tiled[0])  # each token's MLP output is computed by the same ops
+    assert sorted(plain[1]) == sorted(tiled[1])
+    for name, grad in plain[1].items():  # the tiles' weight gradients are summed in another order
+        torch.testing.assert_close(tiled[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3_moe", "gemma3_text", "peft"])
+def test_a_tiled_mlp_trains_as_the_untiled_one_with_less_memory(case):
+    model = build(case)
+    tokens = 1024
+    plain, tiled = step(model, tokens, None), step(model, tokens, TILE)
+    assert_same(plain, tiled)
+    assert plain[2] - tiled[2] >= intermediate_rows_bytes(model, tokens)
+    assert "forward" not in next(m for _, m, _ in mlp_targets(model)).__dict__  # restored
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama", "qwen3_moe"])
+def test_at_8k_tokens(case):
+    model = build(case)
+    plain, tiled = step(model, 8192, None), step(model, 8192, TILE)
+    assert_same(plain, tiled)
+    assert plain[2] - tiled[2] >= intermediate_rows_bytes(model, 8192)
+
+
+def test_the_targets_are_dense_mlps_or_a_moe_blocks_experts_and_shared_experts():
+    from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
+
+    kinds = {f: [(n.split(".mlp")[-1], k) for n, _, k in mlp_targets(tiny_hf_causal_lm(f, seed=0))][-2:]
+             for f in ("llama", "qwen3_moe", "qwen2_moe")}
+    assert kinds["llama"] == [("", "dense"), ("", "dense")]
+    assert kinds["qwen3_moe"] == [(".experts", "experts"), (".experts", "experts")]
+    assert kinds["qwen2_moe"] == [(".experts", "experts"), (".shared_expert", "dense")]
+
+
+def test_it_composes_with_recomputation_and_qlora():
+    """Inside a recomputed decoder layer (transformers' gradient checkpointing) and on nf4 layers with LoRA adapters:
+    the untiled run's loss and gradients."""
+    from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
+
+    model = build("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    assert_same(step(model, 512, None), step(model, 512, TILE))
+    torch.manual_seed(0)
+    quantized = NoSaveBitsandbytesPrecision("nf4", torch.float32, lora_rank=4).convert_module(build("llama"))
+    assert_same(step(quantized, 512, None), step(quantized, 512, TILE))
+
+
+def test_bad_tiles_and_models_without_an_mlp_are_refused():
+    from lightning_memkit.callbacks import TiledMLP
+
+    with pytest.raises(ValueError, match=r"^TiledMLP\(tile_tokens=0\)"):
+        TiledMLP(tile_tokens=0)
+    with pytest.raises(ValueError, match=r"^tiled_mlps: Linear has no decoder layer or repeated block"):
+        with tiled_mlps(torch.nn.Linear(2, 2), 8):
+            pass
+
+
+def test_the_callback_tiles_a_fit_and_undoes_it_after():
+    import lightning.pytorch as pl
+
+    from lightning_memkit.callbacks import TiledMLP
+    from lightning_memkit.demo import ByteTextDataModule, HFCausalLM
+
+    def fit(callbacks) -> tuple[list[float], HFCausalLM]:
+        losses: list[float] = []
+
+        class Record(pl.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                losses.append(outputs["loss"].item())
+
+        module = HFCausalLM("llama", hidden_size=64, num_layers=2, seed=0)
+        pl.seed_everything(0)
+        pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=[Record(), *callbacks]).fit(
+            module, ByteTextDataModule(batch_size=2, seq_len=64, batch_format="hf"))
+        return losses, module
+
+    tiling = TiledMLP(tile_tokens=16)
+    plain, (tiled, module) = fit([])[0], fit([tiling])
+    assert tiled == pytest.approx(plain, rel=1e-6, abs=1e-6)
+    assert tiling.tokens == 16 and tiling.tiled == ["model.model.layers.0.mlp", "model.model.layers.1.mlp"]
+    assert all("forward" not in m.__dict__ for _, m, _ in mlp_targets(module))  # undone at teardown
+    assert TiledMLP().tile_tokens == "auto"
