@@ -512,9 +512,9 @@ def _evaluate(samples: dict[int, tuple[StepTrace, dict[str, _Phase]]], kinds: _K
     X = [_outside_features(kinds.sample_layers[d], kinds.n) for d in depths]
     features, feature_numbers = _feature_numbers(steps)
     totals = np.array([[s.flops, s.allocated, s.foreach_bytes, s.parameters, s.trainable_parameters, s.host_bytes,
-                        s.optimizer_bytes, s.host_steady, *numbers]
+                        s.optimizer_bytes, s.host_steady, s.parameter_bytes, *numbers]
                        for s, numbers in zip(steps, feature_numbers, strict=True)], dtype=np.int64)
-    flops, allocated, foreach, parameters, trainable, host, optimizer, steady, *numbers = _Affine(
+    flops, allocated, foreach, parameters, trainable, host, optimizer, steady, parameter_bytes, *numbers = _Affine(
         X, totals, "the step's totals") \
         .predict([_outside_features(kinds.real_layers, kinds.n)])[0].tolist()
     phases[-1].peak_bytes += foreach
@@ -523,7 +523,7 @@ def _evaluate(samples: dict[int, tuple[StepTrace, dict[str, _Phase]]], kinds: _K
     names = iter(numbers)
     text = [re.sub(r"\d+", lambda _m: str(next(names)), f) for f in features]
     return StepTrace(phases, parameters, trainable, first.precision, text, flops, allocated, first.target, foreach,
-                     None, [], host, optimizer, steady)
+                     None, [], host, optimizer, steady, parameter_bytes)
 
 
 def _feature_numbers(steps: list[StepTrace]) -> tuple[list[str], list[list[int]]]:

@@ -61,9 +61,7 @@ def estimate_hf_step(config: Any, step: StepSpec, *, seq_len: int, optimizer: st
     traced = None
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     wanted = compose is True or (compose == "auto" and layers > COMPOSE_FROM_LAYERS)
-    if wanted and step.world.shard > 1:  # FSDP2's gathers under recomputation do not compose exactly
-        notes.append(f"traced all {layers} layers: a sharded step is not composed from its layers")
-    elif wanted:
+    if wanted:
         from lightning_memkit.estimate.compose import NotComposable, compose_step
 
         try:

@@ -573,7 +573,7 @@ class StepTrace:
     host_bytes: int = 0  # the recorded step's host peak (offloaded bytes)
     optimizer_bytes: int = 0  # of allocated, the bytes optimizer.step() created
     host_steady: int = 0  # host bytes alive when the recorded step starts
-    parameter_bytes: int = 0  # the parameters' bytes as this rank holds them (0: not traced whole)
+    parameter_bytes: int = 0  # the parameters' bytes as this rank holds them
 
     def estimate(self, optimizer: str, seconds: float) -> MemoryEstimate:
         return MemoryEstimate(phases=self.phases, peak_bytes=max(p.peak_bytes for p in self.phases[1:]),

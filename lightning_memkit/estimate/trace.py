@@ -213,6 +213,8 @@ class CategoryTracker(LivePeak):
                 self.totals[entry.tag[0]] += delta
             entry.nbytes += delta
             self._change(entry.device, delta)
+            if delta > 0 and entry.device != HOST and self.log is not None and self.phase is not None:
+                self.log.note(self, storage_key(t), delta, entry.tag[1])  # a storage grown in place (FSDP2's)
 
     def _to_host(self, t: torch.Tensor) -> None:
         with self._lock:

@@ -94,20 +94,24 @@ def test_the_cuda_optimizer_step_of_a_rank_steps_its_shards():
     assert foreach(2) * 2 == foreach(1) > 0
 
 
-def test_memkit_estimate_devices_traces_one_sharded_rank_whole(tmp_path):
-    """``estimate_from_hf_config(devices=2)``: one rank under ``full_shard``; a sharded step is traced whole, never
-    composed from a few layers (FSDP2's gathers under recomputation do not compose exactly)."""
+def test_memkit_estimate_devices_composes_one_sharded_rank_to_the_byte(tmp_path):
+    """``estimate_from_hf_config(devices=2)``: one rank under ``full_shard``, composed from its layers equal to the
+    whole trace, with recomputation and the fused loss (where a unit's all-gather output and its parameters, grown
+    in place by FSDP2, are alive together at the peak); the optimizer state is half a device's."""
     from lightning_memkit.demo.hf_models import tiny_hf_config
     from lightning_memkit.estimate.hf import estimate_from_hf_config
 
     path = tmp_path / "config.json"
-    path.write_text(tiny_hf_config("llama", hidden_size=32, num_layers=4, vocab_size=1000).to_json_string())
+    path.write_text(tiny_hf_config("llama", hidden_size=64, num_layers=7, vocab_size=256,
+                                   intermediate_size=1024).to_json_string())  # large units beside the activations
     one = estimate_from_hf_config(path, seq_len=16, precision="bf16-true", activation_checkpointing=True)
-    two = estimate_from_hf_config(path, seq_len=16, precision="bf16-true", activation_checkpointing=True, devices=2,
-                                  compose=True)
-    assert two.assumptions[-1] == "traced all 4 layers: a sharded step is not composed from its layers"
-    assert two.phases[-1].optimizer_state * 2 == one.phases[-1].optimizer_state
-    assert two.peak_bytes < one.peak_bytes
+    kwargs = dict(seq_len=16, precision="bf16-true", activation_checkpointing=True, fused_loss=True, devices=2)
+    composed = estimate_from_hf_config(path, compose=True, **kwargs)
+    whole = estimate_from_hf_config(path, compose=False, **kwargs)
+    assert composed.assumptions[-1].startswith("composed from traces at depths 3, 4, 5 of the 7 decoder layers")
+    assert composed.phases == whole.phases and composed.parameter_bytes == whole.parameter_bytes > 0
+    assert composed.phases[-1].optimizer_state * 2 == one.phases[-1].optimizer_state
+    assert composed.peak_bytes < one.peak_bytes
 
 
 def test_the_collectives_cost_a_sharded_plan_per_micro_batch():
