@@ -141,3 +141,25 @@ def test_the_callback_tiles_a_fit_and_undoes_it_after():
     assert tiling.tokens == 16 and tiling.tiled == ["model.model.layers.0.mlp", "model.model.layers.1.mlp"]
     assert all("forward" not in m.__dict__ for _, m, _ in mlp_targets(module))  # undone at teardown
     assert TiledMLP().tile_tokens == "auto"
+
+
+def test_the_lever_estimates_the_tiled_step_and_writes_the_callback(tmp_path):
+    """``tiled_mlp`` (opt-in): the fake step of a tiled plan peaks at least one MLP intermediate per layer (beyond a
+    tile of the hidden size) below the untiled one and costs more FLOPs (each tile recomputed in backward); its YAML
+    names the callback; ``memkit estimate`` leaves it out unless allowed."""
+    from lightning_memkit.demo.hf_models import tiny_hf_config
+    from lightning_memkit.estimate.hf_run import HFRun
+    from lightning_memkit.estimate.levers.base import Written
+    from lightning_memkit.estimate.levers.tiled_mlp import TILED_MLP
+
+    path = tmp_path / "config.json"
+    config = tiny_hf_config("llama", hidden_size=64, num_layers=2, vocab_size=256)
+    path.write_text(config.to_json_string())
+    run = HFRun(path, seq_len=1024, batch_size=1, precision="32-true", allow=("tiled_mlp",), device="cpu")
+    plain, tiled = run.estimate(run.base), run.estimate(run.base.replace(tiled_mlp=True))
+    assert plain.peak_bytes - tiled.peak_bytes >= 2 * (1024 - 64) * config.intermediate_size * 4
+    assert tiled.step_flops > plain.step_flops
+    out = Written()
+    TILED_MLP.write_hf({"tiled_mlp": True}, run, out)
+    assert out.callbacks == [{"class_path": "lightning_memkit.callbacks.TiledMLP"}]
+    assert TILED_MLP.opt_in and not HFRun(path, seq_len=64, batch_size=1).allows("tiled_mlp")

@@ -20,6 +20,7 @@ from lightning_memkit.estimate.levers.quantization import QUANTIZATION
 from lightning_memkit.estimate.levers.recompute import RECOMPUTE
 from lightning_memkit.estimate.levers.sharding import SHARDING
 from lightning_memkit.estimate.levers.stages import STAGES
+from lightning_memkit.estimate.levers.tiled_mlp import TILED_MLP
 
 __all__ = ["LEVERS", "lever"]
 
@@ -29,6 +30,7 @@ LEVERS: tuple[Lever, ...] = (
     RECOMPUTE,
     OFFLOAD_ACTIVATIONS,
     FUSED_LOSS,
+    TILED_MLP,
     SHARDING,
     MICRO_BATCH,
     OPTIMIZER_IN_BACKWARD,
