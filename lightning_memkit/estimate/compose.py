@@ -523,7 +523,7 @@ def _evaluate(samples: dict[int, tuple[StepTrace, dict[str, _Phase]]], kinds: _K
     names = iter(numbers)
     text = [re.sub(r"\d+", lambda _m: str(next(names)), f) for f in features]
     return StepTrace(phases, parameters, trainable, first.precision, text, flops, allocated, first.target, foreach,
-                     None, [], host, optimizer, steady, parameter_bytes)
+                     None, [], host, optimizer, steady, parameter_bytes, first.largest)
 
 
 def _feature_numbers(steps: list[StepTrace]) -> tuple[list[str], list[list[int]]]:

@@ -73,8 +73,28 @@ def estimate_hf_step(config: Any, step: StepSpec, *, seq_len: int, optimizer: st
     if traced is None:
         traced = trace(config, log=False)
     est = traced.estimate(optimizer_name, time.perf_counter() - start)
-    est.assumptions += notes
+    est.assumptions += notes + quadratic_tensors(traced, seq_len, config)
     return est
+
+
+def quadratic_tensors(traced: StepTrace, seq_len: int, config: Any) -> list[str]:
+    """A line naming the family and the module that made the step's largest ``(seq_len x seq_len)`` tensor (a
+    materialized attention mask or score matrix: memory that grows with the square of the sequence), or nothing;
+    nothing either where ``seq_len`` is one of the config's sizes (a ``(..., tokens, head_dim)`` tensor would look
+    square)."""
+    sizes = {v for k, v in vars(config).items() if isinstance(v, int) and k.endswith(("_size", "_dim"))}
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    sizes.add(getattr(config, "hidden_size", 0) // heads if heads else 0)
+    found = traced.largest.squares.get(seq_len) if traced.largest is not None and seq_len > 1 else None
+    if found is None or seq_len in sizes:
+        return []
+    family = getattr(config, "model_type", "") or "the model"
+    from lightning_memkit.measure.storage import format_bytes
+
+    nbytes, module = found
+    return [f"{family} materializes a ({seq_len:,} x {seq_len:,}) tensor in {module or 'the model'} "
+            f"({format_bytes(nbytes)}, an attention mask or score matrix): its memory grows with the square of the "
+            "sequence"]
 
 
 #: ``compose="auto"`` composes models of more layers than this (depths 3, 4 and 5 trace 12 layers, and each sample

@@ -127,6 +127,7 @@ class MemoryEstimate:
     optimizer_step_bytes: int = 0  # of step_bytes, those optimizer.step() creates (once per optimizer step)
     host_steady_bytes: int = 0  # of host_bytes, those alive through the step (an offloaded optimizer's state)
     parameter_bytes: int = 0  # the parameters' bytes as this rank holds them (its shards), on the device or the host
+    largest_tensor: dict[str, Any] = field(default_factory=dict)  # the step's largest storage: bytes, shape, module
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -574,6 +575,7 @@ class StepTrace:
     optimizer_bytes: int = 0  # of allocated, the bytes optimizer.step() created
     host_steady: int = 0  # host bytes alive when the recorded step starts
     parameter_bytes: int = 0  # the parameters' bytes as this rank holds them
+    largest: Any = None  # the recorded phases' largest storages (trace.Largest)
 
     def estimate(self, optimizer: str, seconds: float) -> MemoryEstimate:
         return MemoryEstimate(phases=self.phases, peak_bytes=max(p.peak_bytes for p in self.phases[1:]),
@@ -583,7 +585,10 @@ class StepTrace:
                                                        any(f.startswith("DDP gradient") for f in self.features)),
                               seconds=seconds, step_flops=self.flops, step_bytes=self.allocated,
                               host_bytes=self.host_bytes, optimizer_step_bytes=self.optimizer_bytes,
-                              host_steady_bytes=self.host_steady, parameter_bytes=self.parameter_bytes)
+                              host_steady_bytes=self.host_steady, parameter_bytes=self.parameter_bytes,
+                              largest_tensor={} if self.largest is None else {
+                                  "bytes": self.largest.nbytes, "shape": list(self.largest.shape),
+                                  "module": self.largest.module})
 
 
 class WarmupMismatch(RuntimeError):
@@ -674,11 +679,13 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
                   sum(_local(p).nbytes for p in model.parameters()))
         layers = [name for name, _ in blocks]
         host = max(tracker.host_peaks.get(name, 0) for name in STEP_PHASES)
+        for side in {int(d) for p in model.parameters() for d in p.shape}:  # a feature width, not a token count
+            tracker.largest.squares.pop(side, None)
         label = _precision_label(precision, plugin, model)
         del run, model, optim, blocks, buckets
     return StepTrace(phases, counts[0], counts[1], label, features,
                      fast.flops, tracker.allocated, target, foreach, events, layers, host,
-                     tracker.allocated_by_phase.get("optimizer step", 0), steady, counts[2])
+                     tracker.allocated_by_phase.get("optimizer step", 0), steady, counts[2], tracker.largest)
 
 
 def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],

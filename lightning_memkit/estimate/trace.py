@@ -132,6 +132,7 @@ class CategoryTracker(LivePeak):
         self.allocated = 0  # bytes of the storages created while a phase records
         self.allocated_by_phase: dict[str, int] = {}  # the same, per phase
         self.log: EventLog | None = None  # every allocation of a recording phase, for the composition
+        self.largest = Largest()  # the largest storage a recording phase made, and the largest square ones
         self._inputs: set[int] = set()
 
     def start_phase(self, name: str | None, category: str) -> None:
@@ -185,6 +186,7 @@ class CategoryTracker(LivePeak):
                 self._change(device, nbytes)
                 return
             if self.phase is not None:
+                self.largest.note(t, nbytes, self.clock)
                 counted = nbytes * allocation_factor()  # a loop's one iteration standing for all (fake_repeat)
                 self.allocated += counted
                 self.allocated_by_phase[self.phase] = self.allocated_by_phase.get(self.phase, 0) + counted
@@ -235,6 +237,26 @@ class CategoryTracker(LivePeak):
     def _snapshot(self) -> None:
         layer = self.clock.current() if self.clock is not None else ""
         self.phase_peaks[self.phase] = PhasePeak(self.live_bytes, dict(self.totals), layer)
+
+
+@dataclass
+class Largest:
+    """The largest storage made while a phase records (its bytes, shape and the module running) and, per side, the
+    largest with two equal trailing dimensions (``(..., n, n)``: an attention matrix or mask, at ``n`` tokens)."""
+
+    nbytes: int = 0
+    shape: tuple[int, ...] = ()
+    module: str = ""
+    squares: dict[int, tuple[int, str]] = field(default_factory=dict)  # side -> (bytes, module)
+
+    def note(self, t: torch.Tensor, nbytes: int, clock: Any) -> None:
+        where = None
+        if nbytes > self.nbytes:
+            where = clock.current() if clock is not None else ""
+            self.nbytes, self.shape, self.module = nbytes, tuple(t.shape), where
+        if t.dim() >= 2 and t.shape[-1] == t.shape[-2] > 1 and nbytes > self.squares.get(t.shape[-1], (0, ""))[0]:
+            where = where if where is not None else clock.current() if clock is not None else ""
+            self.squares[int(t.shape[-1])] = (nbytes, where)
 
 
 class EventLog:
