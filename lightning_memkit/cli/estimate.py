@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-c", "--config", default=None, help="a memkit / LightningCLI YAML config")
     p.add_argument("--hf-config", default=None, help="a Hugging Face config.json of a causal LM")
-    p.add_argument("--seq-len", type=_integer, default=None, help="tokens per sequence (default 2048)")
+    p.add_argument("--seq-len", type=_integer, default=None,
+                   help="tokens per sequence (default 2048); max (with --hf-config and --budget): the longest that "
+                   "fits, and its plans")
     p.add_argument("--batch-size", type=_integer, default=None, help="sequences per batch (default 1)")
     p.add_argument("--precision", default=None, help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
     p.add_argument("--optimizer", default=None, help="adamw (default) or sgd (momentum 0.9)")
@@ -115,6 +117,12 @@ def _check(args: argparse.Namespace) -> None:
     if args.config is not None and given:
         raise ConfigError(f"{', '.join(given)}: with --config the config says these; override its keys instead "
                           "(--trainer.precision bf16-true, --data.init_args.seq_len 512, ...)")
+    args.longest = args.seq_len == "max"
+    if args.longest:
+        if args.hf_config is None or args.budget is None or args.pipeline is not None:
+            raise ConfigError("--seq-len max: only with --hf-config and --budget (the memory the sequence must fit), "
+                              "without --pipeline")
+        args.seq_len = None
     for key, default in _HF_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, default)
@@ -195,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> Any:
     if args.hf_config is not None and overrides:
         raise ConfigError(f"unrecognized arguments: {' '.join(overrides)}")
     with _input_warnings_on_stderr():
+        if args.longest:
+            return _longest(args)
         if args.budget is not None:
             return _search(args, overrides)
         est = _estimate(args, overrides)
@@ -249,18 +259,43 @@ def _allow(text: str | None) -> list[str] | None:
     return None if text is None else [a.strip() for a in text.split(",") if a.strip()]
 
 
+def _hf_run(args: argparse.Namespace, seq_len: int) -> Any:
+    from lightning_memkit.estimate.hf_run import HFRun
+
+    return HFRun(args.hf_config, seq_len=seq_len, batch_size=args.batch_size, precision=args.precision,
+                 optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
+                 fused_loss=args.fused_loss, plugin=args.plugin, lora_rank=args.lora_rank, device=args.device,
+                 allow=_allow(args.allow), devices=args.devices)
+
+
+def _longest(args: argparse.Namespace) -> Any:
+    """``--seq-len max``: the longest sequence that fits the budget, and its plans."""
+    import json
+
+    from lightning_memkit.estimate.longest import longest_sequence
+
+    def say(line: str) -> None:
+        print(f"memkit estimate: {line}", file=sys.stderr, flush=True)
+
+    step = 1024 if args.budget >= 2**30 else 128  # tokens: a GiB budget's lengths to 1,024, a tiny one's to 128
+    try:
+        result = longest_sequence(lambda tokens: _hf_run(args, tokens), args.budget, lower=step, granularity=step,
+                                  margin=args.margin, host_budget=args.host_memory, machine=args.machine,
+                                  progress=say, max_plans=args.max_plans, max_estimates=args.max_estimates)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    return result
+
+
 def _search(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     """``--budget``: the plan search, with a line per estimate on stderr."""
 
     from lightning_memkit.estimate.config_run import ConfigRun
-    from lightning_memkit.estimate.hf_run import HFRun
     from lightning_memkit.estimate.plans import search_plans
 
     if args.hf_config is not None:
-        run = HFRun(args.hf_config, seq_len=args.seq_len, batch_size=args.batch_size, precision=args.precision,
-                    optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
-                    fused_loss=args.fused_loss, plugin=args.plugin, lora_rank=args.lora_rank, device=args.device,
-                    allow=_allow(args.allow), devices=args.devices)
+        run = _hf_run(args, args.seq_len)
     else:
         run = ConfigRun(args.config, list(overrides), allow=_allow(args.allow))
     result = search_plans(run, args.budget, margin=args.margin, max_plans=args.max_plans,

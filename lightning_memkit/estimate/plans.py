@@ -49,7 +49,7 @@ from lightning_memkit.measure.device import free_device_memory
 from lightning_memkit.measure.machine import MachineBalance, step_seconds
 from lightning_memkit.measure.storage import format_bytes
 
-__all__ = ["Plan", "PlanResult", "SearchResult", "StepCost", "search_plans", "step_cost"]
+__all__ = ["Plan", "PlanResult", "SearchResult", "StepCost", "search_plans", "step_cost", "strongest_fits"]
 
 
 def step_cost(est: MemoryEstimate, machine: MachineBalance, dtype: str = "float32") -> StepCost:
@@ -131,6 +131,37 @@ TIE = 0.05
 
 
 # -- the search --------------------------------------------------------------------------------------------------
+def _within(est: Any, budget_bytes: int, margin: float) -> bool:
+    """The step's device peak, with the margin, within the budget."""
+    return est.peak_bytes * (1 + margin) <= budget_bytes
+
+
+def _fits(est: Any, run: Any, budget_bytes: int, margin: float, host_free: int | None) -> bool:
+    """Within the budget, and the host memory it needs free now (a pinned page cannot be swapped): every rank of
+    the run's devices (one machine's) keeps its own."""
+    host = getattr(est, "host_bytes", 0) * getattr(run, "devices", 1)
+    return _within(est, budget_bytes, margin) and (not host or host_free is None or host <= host_free)
+
+
+def strongest_fits(run: Run, budget_bytes: int, *, margin: float = 0.05,
+                   host_budget: int | None = None) -> tuple[bool, int]:
+    """Whether one of ``run``'s strongest plans fits (each lever at its strongest; where they miss only the host
+    memory, the strongest that keep nothing on the host), and the smallest device peak estimated: if none fits,
+    no plan of the run does."""
+    host_free = host_budget if host_budget is not None else free_device_memory("cpu")
+    plans = [run.base, *run.axes()]
+    tops = _strongest(plans)
+    smallest = None
+    for plan in tops:
+        est = run.estimate(plan)
+        smallest = est.peak_bytes if smallest is None else min(smallest, est.peak_bytes)
+        if _fits(est, run, budget_bytes, margin, host_free):
+            return True, est.peak_bytes
+        if _within(est, budget_bytes, margin) and plan.uses_host():
+            tops += [p for p in _strongest([p for p in plans if not p.uses_host()]) if p not in tops]
+    return False, smallest or 0
+
+
 def _strongest(plans: list[Plan]) -> list[Plan]:
     """The plans no other one is stronger than, strongest first: one plan (each lever at its strongest) where the levers
     combine freely, several where some choices exclude each other (the optimizer-state levers)."""
@@ -309,13 +340,10 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     host_free = host_budget if host_budget is not None else free_device_memory("cpu")
 
     def device_fits(est: Any) -> bool:
-        return est.peak_bytes * (1 + margin) <= budget_bytes
+        return _within(est, budget_bytes, margin)
 
     def fits(est: Any) -> bool:
-        """Within the budget, and the host memory it needs free now (a pinned page cannot be swapped): every rank
-        of the run's devices (one machine's) keeps its own."""
-        host = getattr(est, "host_bytes", 0) * getattr(run, "devices", 1)
-        return device_fits(est) and (not host or host_free is None or host <= host_free)
+        return _fits(est, run, budget_bytes, margin, host_free)
 
     search = _Search(run, machine or run.machine(), fits,
                      progress or (lambda _line: None), max_estimates, device_fits)

@@ -1,0 +1,114 @@
+"""The longest sequence that fits: ``memkit estimate --hf-config model.json --budget 24GiB --seq-len max``.
+
+Every lever lowers memory, so if any plan fits at ``T`` tokens the strongest plans (each lever at its strongest,
+:func:`~lightning_memkit.estimate.plans.search_plans`' first estimates) fit too, and a plan that fits at ``T``
+fits at fewer tokens. :func:`longest_sequence` therefore probes the strongest plans only: doubling ``T`` from
+``lower`` until they stop fitting (or the config's ``max_position_embeddings`` is reached), then bisecting to a
+multiple of ``granularity`` tokens; at the longest ``T`` found, a full plan search ranks the plans that fit by
+their predicted step time.
+
+Example (a tiny Llama whose one-sequence step must fit 8 MiB; the lengths probed, then the longest)::
+
+    >>> import pathlib, tempfile
+    >>> from lightning_memkit.demo.hf_models import tiny_hf_config
+    >>> from lightning_memkit.estimate.hf_run import HFRun
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "config.json"
+    >>> _ = path.write_text(tiny_hf_config("llama", vocab_size=256, max_position_embeddings=4096).to_json_string())
+    >>> found = longest_sequence(lambda t: HFRun(path, seq_len=t, allow=("recompute",), device="cpu"),
+    ...                          8 * 2**20, lower=128, granularity=128)
+    >>> [t for t, _, _ in found.probes], found.seq_len
+    ([128, 256, 512, 1024, 2048, 1536, 1280, 1152], 1024)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_memkit.common.validation import check_int
+
+__all__ = ["LongestResult", "longest_sequence"]
+
+_OWNER = "longest_sequence"
+
+
+@dataclass
+class LongestResult:
+    """The longest ``seq_len`` that fits, the plan search at it, and every length probed (``(tokens, fits,
+    strongest plans' smallest peak)``)."""
+
+    seq_len: int
+    search: Any
+    probes: list[tuple[int, bool, int]] = field(default_factory=list)
+    limit: int = 0  # the positions the model is built for (max_position_embeddings), 0: none
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        bound = " (the model's max_position_embeddings)" if self.seq_len == self.limit else ""
+        lines = [f"longest sequence that fits: {self.seq_len:,} tokens{bound}; {len(self.probes)} lengths probed "
+                 f"with the strongest plans, then the plans searched at it; {self.seconds:.1f} s"]
+        return "\n".join(lines) + "\n" + str(self.search)
+
+    def to_dict(self) -> dict[str, Any]:
+        import json
+
+        return {"seq_len": self.seq_len, "limit": self.limit, "seconds": round(self.seconds, 1),
+                "probes": [{"seq_len": t, "fits": f, "peak_bytes": p} for t, f, p in self.probes],
+                "search": json.loads(self.search.to_json())}
+
+
+def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower: int = 1024,
+                     granularity: int = 1024, margin: float = 0.05, host_budget: int | None = None,
+                     machine: Any = None, progress: Callable[[str], None] | None = None,
+                     **search: Any) -> LongestResult:
+    """The longest sequence (a multiple of ``granularity``, at least ``lower``) whose step fits ``budget_bytes`` with
+    some plan; ``make_run(seq_len)`` makes the run (an :class:`~lightning_memkit.estimate.hf_run.HFRun` at that
+    length). ``margin``, ``host_budget``, ``machine`` and ``search`` (``max_plans``, ``max_estimates``) as
+    :func:`~lightning_memkit.estimate.plans.search_plans`'.
+
+    Raises:
+        ValueError: a bad argument (one line naming it), or no plan fits even at ``lower`` tokens.
+    """
+    from lightning_memkit.estimate.plans import search_plans, strongest_fits
+
+    check_int(lower, "lower", minimum=1, owner=_OWNER)
+    check_int(granularity, "granularity", minimum=1, owner=_OWNER)
+    say = progress or (lambda _line: None)
+    start = time.perf_counter()
+    limit = _position_limit(make_run(lower))
+    probes: list[tuple[int, bool, int]] = []
+
+    def fits(tokens: int) -> bool:
+        ok, peak = strongest_fits(make_run(tokens), budget_bytes, margin=margin, host_budget=host_budget)
+        probes.append((tokens, ok, peak))
+        say(f"{tokens:,} tokens: the strongest plans {'fit' if ok else 'do not fit'} (peak {peak / 2**30:.2f} GiB)")
+        return ok
+
+    if not fits(lower):
+        raise ValueError(f"--seq-len max: no plan fits {budget_bytes:,} B even at {lower:,} tokens")
+    good, bad = lower, None
+    while bad is None and good < (limit or float("inf")):
+        tokens = min(good * 2, limit) if limit else good * 2
+        if fits(tokens):
+            good = tokens
+        else:
+            bad = tokens
+    while bad is not None and bad - good > granularity:
+        tokens = (good + bad) // 2 // granularity * granularity
+        if tokens <= good:
+            break
+        if fits(tokens):
+            good = tokens
+        else:
+            bad = tokens
+    say(f"longest: {good:,} tokens; searching its plans")
+    result = search_plans(make_run(good), budget_bytes, margin=margin, host_budget=host_budget, machine=machine,
+                          progress=progress, **search)
+    return LongestResult(good, result, probes, limit or 0, time.perf_counter() - start)
+
+
+def _position_limit(run: Any) -> int | None:
+    limit = getattr(getattr(run, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None

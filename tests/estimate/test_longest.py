@@ -1,0 +1,72 @@
+"""``--seq-len max``: the longest sequence whose step fits, searched on the estimator, checked by real fits: the run
+at that length fits the budget, the estimate at 10% more does not."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from lightning_memkit.cli.main import main
+from lightning_memkit.memory import LivePeak
+
+pytest.importorskip("transformers")
+
+BASE = """\
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: 2
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  enable_progress_bar: false
+  enable_checkpointing: false
+  enable_model_summary: false
+  logger: false
+  default_root_dir: ROOT
+model:
+  class_path: lightning_memkit.demo.HFCausalLM
+  init_args: {family: llama, hidden_size: 64, num_layers: 1}
+data:
+  class_path: lightning_memkit.demo.ByteTextDataModule
+  init_args: {batch_size: 1, seq_len: 64, batch_format: hf}
+"""
+
+
+def test_the_longest_sequence_fits_in_a_real_fit_and_ten_percent_more_does_not(tmp_path, monkeypatch):
+    from lightning_memkit.estimate.config_run import ConfigRun
+    from lightning_memkit.estimate.longest import longest_sequence
+
+    monkeypatch.chdir(tmp_path)
+    base = tmp_path / "base.yaml"
+    base.write_text(BASE.replace("ROOT", str(tmp_path / "runs")))
+
+    def run(tokens: int) -> ConfigRun:
+        return ConfigRun(base, ["--data.init_args.seq_len", str(tokens)], allow=())
+
+    budget = int(run(512).estimate(run(512).base).peak_bytes * 1.05 * 1.3)
+    found = longest_sequence(run, budget, lower=128, granularity=64)
+    tokens = found.seq_len
+    assert tokens >= 512 and tokens % 64 == 0
+    with LivePeak() as live, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(["fit", "--config", str(base), "--data.init_args.seq_len", str(tokens)])
+    assert live.peak_bytes <= budget / 1.05 * 1.01  # the real run: within the budget's margin (1% measurement)
+    more = int(tokens * 1.1)
+    assert run(more).estimate(run(more).base).peak_bytes * 1.05 > budget
+    assert found.search.fitting and found.search.fitting[0].peak_bytes * 1.05 <= budget
+
+
+def test_seq_len_max_from_the_command_line(tmp_path, capsys):
+    from lightning_memkit.demo.hf_models import tiny_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(tiny_hf_config("llama", vocab_size=256, max_position_embeddings=4096).to_json_string())
+    main(["estimate", "--hf-config", str(path), "--seq-len", "max", "--budget", "8MiB", "--device", "cpu",
+          "--allow", "recompute"])
+    out = capsys.readouterr().out
+    assert out.startswith("longest sequence that fits: 1,024 tokens; 8 lengths probed")
+    with pytest.raises(SystemExit):
+        main(["estimate", "--hf-config", str(path), "--seq-len", "max"])
+    assert "--seq-len max: only with --hf-config and --budget" in capsys.readouterr().err
