@@ -115,25 +115,44 @@ def test_bad_tiles_and_models_without_an_mlp_are_refused():
             pass
 
 
-def test_the_callback_tiles_a_fit_and_undoes_it_after():
+def fit(callbacks: list, family: str = "llama") -> tuple[list[float], object]:
+    """Three steps of a tiny transformers model with ``callbacks``: the losses and the module."""
     import lightning.pytorch as pl
 
-    from lightning_memkit.callbacks import TiledMLP
     from lightning_memkit.demo import ByteTextDataModule, HFCausalLM
 
-    def fit(callbacks) -> tuple[list[float], HFCausalLM]:
-        losses: list[float] = []
+    losses: list[float] = []
 
-        class Record(pl.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                losses.append(outputs["loss"].item())
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(outputs["loss"].item())
 
-        module = HFCausalLM("llama", hidden_size=64, num_layers=2, seed=0)
-        pl.seed_everything(0)
-        pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, callbacks=[Record(), *callbacks]).fit(
-            module, ByteTextDataModule(batch_size=2, seq_len=64, batch_format="hf"))
-        return losses, module
+    module = HFCausalLM(family, hidden_size=64, num_layers=2, seed=0)
+    pl.seed_everything(0)
+    pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, callbacks=[Record(), *callbacks]).fit(
+        module, ByteTextDataModule(batch_size=2, seq_len=64, batch_format="hf"))
+    return losses, module
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_it_composes_with_recomputation_activation_offload_and_the_fused_loss_in_a_fit(family):
+    from lightning_memkit.callbacks import (
+        ActivationCheckpointing,
+        ActivationOffloading,
+        FusedLinearCrossEntropy,
+        TiledMLP,
+    )
+
+    def others():
+        return [ActivationCheckpointing(), ActivationOffloading(), FusedLinearCrossEntropy()]
+
+    plain, tiled = fit(others(), family)[0], fit([*others(), TiledMLP(tile_tokens=16)], family)[0]
+    assert tiled == pytest.approx(plain, rel=1e-6, abs=1e-6)
+
+
+def test_the_callback_tiles_a_fit_and_undoes_it_after():
+    from lightning_memkit.callbacks import TiledMLP
 
     tiling = TiledMLP(tile_tokens=16)
     plain, (tiled, module) = fit([])[0], fit([tiling])
