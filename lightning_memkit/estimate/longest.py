@@ -3,9 +3,10 @@
 Every lever lowers memory, so if any plan fits at ``T`` tokens the strongest plans (each lever at its strongest,
 :func:`~lightning_memkit.estimate.plans.search_plans`' first estimates) fit too, and a plan that fits at ``T``
 fits at fewer tokens. :func:`longest_sequence` therefore probes the strongest plans only: doubling ``T`` from
-``lower`` until they stop fitting (or the config's ``max_position_embeddings`` is reached), then bisecting to a
-multiple of ``granularity`` tokens; at the longest ``T`` found, a full plan search ranks the plans that fit by
-their predicted step time.
+``lower`` until they stop fitting (or the config's ``max_position_embeddings`` is reached), then narrowing to a
+multiple of ``granularity`` tokens where the line through the two bracketing peaks meets the budget (a bisection
+step whenever that does not halve the bracket); at the longest ``T`` found, a full plan search ranks the plans that
+fit by their predicted step time.
 
 Example (a tiny Llama whose one-sequence step must fit 8 MiB; the lengths probed, then the longest)::
 
@@ -17,7 +18,7 @@ Example (a tiny Llama whose one-sequence step must fit 8 MiB; the lengths probed
     >>> found = longest_sequence(lambda t: HFRun(path, seq_len=t, allow=("recompute",), device="cpu"),
     ...                          8 * 2**20, lower=128, granularity=128)
     >>> [t for t, _, _ in found.probes], found.seq_len
-    ([128, 256, 512, 1024, 2048, 1536, 1280, 1152], 1024)
+    ([128, 256, 512, 1024, 2048, 1152], 1024)
 """
 
 from __future__ import annotations
@@ -95,18 +96,33 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
             good = tokens
         else:
             bad = tokens
+    secant = True
     while bad is not None and bad - good > granularity:
-        tokens = (good + bad) // 2 // granularity * granularity
-        if tokens <= good:
-            break
+        width = bad - good
+        peaks = {t: p for t, _, p in probes}
+        tokens = _between(good, bad, peaks, budget_bytes / (1 + margin), granularity, secant)
         if fits(tokens):
             good = tokens
         else:
             bad = tokens
+        secant = bad - good <= width // 2  # a secant step that did not halve the bracket: bisect once
     say(f"longest: {good:,} tokens; searching its plans")
     result = search_plans(make_run(good), budget_bytes, margin=margin, host_budget=host_budget, machine=machine,
                           progress=progress, **search)
     return LongestResult(good, result, probes, limit or 0, time.perf_counter() - start)
+
+
+def _between(good: int, bad: int, peaks: dict[int, int], target: float, granularity: int, secant: bool) -> int:
+    """The next length to probe inside ``(good, bad)``, a multiple of ``granularity``: where the line through the
+    two lengths' peaks meets ``target`` (a step's peak is nearly affine in its tokens: a probe or two finds the
+    length), else the middle."""
+    low, high = good + granularity, bad - granularity
+    middle = min(max((good + bad) // 2 // granularity * granularity, low), high)
+    below, above = peaks.get(good, 0), peaks.get(bad, 0)
+    if not secant or above <= below or low > high:
+        return middle
+    guess = int(good + (target - below) * (bad - good) / (above - below)) // granularity * granularity
+    return min(max(guess, low), high)
 
 
 def _position_limit(run: Any) -> int | None:
