@@ -54,7 +54,7 @@ from lightning_memkit.estimate.step_spec import StepSpec
 __all__ = ["AXES", "ModuleRun", "batch_rows", "batch_tensors", "fake_copy", "micro_batch"]
 
 AXES = ("recompute", "offload_activations", "fused_loss", "micro_batch", "precision", "optimizer_in_backward",
-        "offload_optimizer", "optimizer_8bit", "sharding")
+        "offload_optimizer", "optimizer_8bit", "sharding", "tiled_mlp")
 _OWNER = "ModuleRun"
 
 

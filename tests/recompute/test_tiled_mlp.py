@@ -182,3 +182,29 @@ def test_the_lever_estimates_the_tiled_step_and_writes_the_callback(tmp_path):
     TILED_MLP.write_hf({"tiled_mlp": True}, run, out)
     assert out.callbacks == [{"class_path": "lightning_memkit.callbacks.TiledMLP"}]
     assert TILED_MLP.opt_in and not HFRun(path, seq_len=64, batch_size=1).allows("tiled_mlp")
+
+
+def test_memory_budget_pulls_the_tiled_mlp_when_allowed():
+    """``MemoryBudget(allow=["tiled_mlp"])`` at a budget the untiled run exceeds: it adds ``TiledMLP`` and the fit
+    stays within the budget and its prediction (the module's weights, built before the measurement, not counted
+    here)."""
+    import lightning.pytorch as pl
+
+    from lightning_memkit.callbacks import MemoryBudget, TiledMLP
+    from lightning_memkit.demo import ByteTextDataModule, HFCausalLM
+
+    def peak(callbacks: list) -> tuple[int, pl.Trainer]:
+        module = HFCausalLM("llama", hidden_size=64, num_layers=2, seed=0)
+        pl.seed_everything(0)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+        with LivePeak() as live:
+            trainer.fit(module, ByteTextDataModule(batch_size=1, seq_len=1024, batch_format="hf"))
+        return live.peak_bytes, trainer
+
+    budget = int(peak([])[0] * 0.85)
+    planner = MemoryBudget(budget, allow=["tiled_mlp"])
+    measured, trainer = peak([planner])
+    assert any(isinstance(c, TiledMLP) for c in trainer.callbacks)
+    assert measured <= budget and measured <= planner.plan.peak_bytes
+    assert planner.plan.peak_bytes * 1.05 <= budget

@@ -1,7 +1,7 @@
 """The ``tiled_mlp`` lever: each decoder layer's MLP computed in tiles of tokens (:class:`~lightning_memkit.callbacks.
 TiledMLP`, tiles of the model's hidden size), its ``tokens x intermediate`` activations never whole; the same math.
 Its cost is the MLP's forward once more in backward (each tile recomputed), which the fake step's traced FLOPs
-carry. Opt-in: named in ``allow`` (``memkit estimate --allow tiled_mlp``).
+carry. Opt-in: named in ``allow`` (``memkit estimate --allow tiled_mlp``, ``MemoryBudget(allow=[...])``).
 
     >>> from lightning_memkit.estimate.levers.tiled_mlp import TILED_MLP
     >>> TILED_MLP.words(True, False), TILED_MLP.entry()
