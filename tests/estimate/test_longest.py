@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,27 +14,10 @@ from lightning_memkit.cli.main import main
 from lightning_memkit.memory import LivePeak
 
 pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parent))
+from test_plans import BASE_CONFIG  # noqa: E402  (the tiny Llama config of the plan tests)
 
-BASE = """\
-seed_everything: 0
-trainer:
-  accelerator: cpu
-  devices: 1
-  max_steps: 2
-  limit_val_batches: 0
-  num_sanity_val_steps: 0
-  enable_progress_bar: false
-  enable_checkpointing: false
-  enable_model_summary: false
-  logger: false
-  default_root_dir: ROOT
-model:
-  class_path: lightning_memkit.demo.HFCausalLM
-  init_args: {family: llama, hidden_size: 64, num_layers: 1}
-data:
-  class_path: lightning_memkit.demo.ByteTextDataModule
-  init_args: {batch_size: 1, seq_len: 64, batch_format: hf}
-"""
+BASE = BASE_CONFIG.replace("batch_size: 4", "batch_size: 1")  # one sequence a step
 
 
 def test_the_longest_sequence_fits_in_a_real_fit_and_ten_percent_more_does_not(tmp_path, monkeypatch):
