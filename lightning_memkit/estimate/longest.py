@@ -48,9 +48,8 @@ class LongestResult:
 
     def __str__(self) -> str:
         bound = " (the model's max_position_embeddings)" if self.seq_len == self.limit else ""
-        lines = [f"longest sequence that fits: {self.seq_len:,} tokens{bound}; {len(self.probes)} lengths probed "
-                 f"with the strongest plans, then the plans searched at it; {self.seconds:.1f} s"]
-        return "\n".join(lines) + "\n" + str(self.search)
+        return (f"longest sequence that fits: {self.seq_len:,} tokens{bound}; {len(self.probes)} lengths probed "
+                f"with the strongest plans, then the plans searched at it; {self.seconds:.1f} s\n{self.search}")
 
     def to_dict(self) -> dict[str, Any]:
         import json
@@ -73,16 +72,26 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
         ValueError: a bad argument (one line naming it), or no plan fits even at ``lower`` tokens.
     """
     from lightning_memkit.estimate.plans import search_plans, strongest_fits
+    from lightning_memkit.measure.device import free_device_memory
 
     check_int(lower, "lower", minimum=1, owner=_OWNER)
     check_int(granularity, "granularity", minimum=1, owner=_OWNER)
     say = progress or (lambda _line: None)
     start = time.perf_counter()
-    limit = _position_limit(make_run(lower))
+    if host_budget is None:  # read once: every length is judged against the same host memory
+        host_budget = free_device_memory("cpu")
+    runs = {lower: make_run(lower)}
+
+    def run_at(tokens: int) -> Any:
+        if tokens not in runs:
+            runs[tokens] = make_run(tokens)
+        return runs[tokens]
+
+    limit = _position_limit(runs[lower])
     probes: list[tuple[int, bool, int]] = []
 
     def fits(tokens: int) -> bool:
-        ok, peak = strongest_fits(make_run(tokens), budget_bytes, margin=margin, host_budget=host_budget)
+        ok, peak = strongest_fits(run_at(tokens), budget_bytes, margin=margin, host_budget=host_budget)
         probes.append((tokens, ok, peak))
         say(f"{tokens:,} tokens: the strongest plans {'fit' if ok else 'do not fit'} (peak {peak / 2**30:.2f} GiB)")
         return ok
@@ -90,8 +99,8 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
     if not fits(lower):
         raise ValueError(f"--seq-len max: no plan fits {budget_bytes:,} B even at {lower:,} tokens")
     good, bad = lower, None
-    while bad is None and good < (limit or float("inf")):
-        tokens = min(good * 2, limit) if limit else good * 2
+    while bad is None and (limit is None or good < limit):
+        tokens = good * 2 if limit is None else min(good * 2, limit)
         if fits(tokens):
             good = tokens
         else:
@@ -107,7 +116,7 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
             bad = tokens
         secant = bad - good <= width // 2  # a secant step that did not halve the bracket: bisect once
     say(f"longest: {good:,} tokens; searching its plans")
-    result = search_plans(make_run(good), budget_bytes, margin=margin, host_budget=host_budget, machine=machine,
+    result = search_plans(run_at(good), budget_bytes, margin=margin, host_budget=host_budget, machine=machine,
                           progress=progress, **search)
     return LongestResult(good, result, probes, limit or 0, time.perf_counter() - start)
 

@@ -158,8 +158,14 @@ def strongest_fits(run: Run, budget_bytes: int, *, margin: float = 0.05,
         if _fits(est, run, budget_bytes, margin, host_free):
             return True, est.peak_bytes
         if _within(est, budget_bytes, margin) and plan.uses_host():
-            tops += [p for p in _strongest([p for p in plans if not p.uses_host()]) if p not in tops]
+            tops += _host_free_tops(plans, tops)
     return False, smallest or 0
+
+
+def _host_free_tops(plans: list[Plan], tops: list[Plan]) -> list[Plan]:
+    """The strongest of ``plans`` that keep nothing in host memory, those not in ``tops`` already: where the
+    strongest miss only the host memory, the plans to try next."""
+    return [p for p in _strongest([p for p in plans if not p.uses_host()]) if p not in tops]
 
 
 def _strongest(plans: list[Plan]) -> list[Plan]:
@@ -356,7 +362,7 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
                             time.perf_counter() - search.start)  # nothing ranked
     tried = [(top, (base, base_cost) if top == run.base else search.try_plan(top)) for top in tops]
     if any(top in search.host_failed for top in tops):  # the strongest keep more than the host memory holds
-        light = [top for top in _strongest([p for p in ordered if not p.uses_host()]) if top not in tops]
+        light = _host_free_tops(ordered, tops)
         search.queue = [*light, *(p for p in search.queue if p not in light)]
         tried += [(top, search.try_plan(top)) for top in light]
     # None: ruled out by a fitting base (only adds work) or the limit; over the host memory only: weaker may fit

@@ -250,13 +250,15 @@ class Largest:
     squares: dict[int, tuple[int, str]] = field(default_factory=dict)  # side -> (bytes, module)
 
     def note(self, t: torch.Tensor, nbytes: int, clock: Any) -> None:
-        where = None
+        side = int(t.shape[-1]) if t.dim() >= 2 and t.shape[-1] == t.shape[-2] > 1 else 0
+        larger_square = side > 0 and nbytes > self.squares.get(side, (0, ""))[0]
+        if nbytes <= self.nbytes and not larger_square:
+            return
+        where = clock.current() if clock is not None else ""
         if nbytes > self.nbytes:
-            where = clock.current() if clock is not None else ""
             self.nbytes, self.shape, self.module = nbytes, tuple(t.shape), where
-        if t.dim() >= 2 and t.shape[-1] == t.shape[-2] > 1 and nbytes > self.squares.get(t.shape[-1], (0, ""))[0]:
-            where = where if where is not None else clock.current() if clock is not None else ""
-            self.squares[int(t.shape[-1])] = (nbytes, where)
+        if larger_square:
+            self.squares[side] = (nbytes, where)
 
 
 class EventLog:
