@@ -1,9 +1,9 @@
 """One rank of the FSDP2 estimate checks (benchmarks/bench_sharding.py, tests/sharding/test_fsdp2_estimate.py): each
-case of ``benchmarks.sharding_cases`` built
-as the estimate builds it, sharded over the gloo ranks as ``memkit_fsdp2`` shards it, two AdamW steps in Lightning's
-order; the per-phase live-byte peaks of the second step (``LivePeak`` from before the model is built, FSDP2's resizes
-counted) and its host peak written to ``OUT/rank{r}.json``; the Llama cases again with FSDP2's CPU offload, its host
-bytes placed as on a GPU.
+case of ``benchmarks.sharding_cases`` built as the estimate builds it, sharded over the gloo ranks as ``memkit_fsdp2``
+shards it, four AdamW steps in Lightning's order; the per-phase live-byte peaks of a steady step (the median of steps 2
+to 4 per phase: a gloo worker thread that frees a collective's buffer a moment early or late moves one step's peak by a
+unit's bytes; ``LivePeak`` from before the model is built, FSDP2's resizes counted) and its host peak written to
+``OUT/rank{r}.json``; the Llama cases again with FSDP2's CPU offload, its host bytes placed as on a GPU.
 
     LOCAL_RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m benchmarks._sharding_worker OUT
 """
@@ -31,20 +31,20 @@ warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 
 
-def second_step(model: torch.nn.Module, live: LivePeak, precision: str, offload: bool = False) -> dict[str, int]:
+def steady_step(model: torch.nn.Module, live: LivePeak, precision: str, offload: bool = False) -> dict[str, int]:
     def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
 
     optim = (steps_on_host(adamw) if offload else adamw)(model)
-    phases: dict[str, int] = {}
-    for _ in range(2):
-        host = 0
+    steps: list[dict[str, int]] = []
 
-        def mark(phase: str) -> None:
-            nonlocal host
-            phases[phase], host = live.peak_bytes, max(host, live.host_peak_bytes)
-            live.reset_peak()
+    def mark(phase: str) -> None:
+        steps[-1][phase] = live.peak_bytes
+        steps[-1]["host"] = max(steps[-1]["host"], live.host_peak_bytes)
+        live.reset_peak()
 
+    for _ in range(4):
+        steps.append({"host": 0})
         live.reset_peak()
         batch = fsdp2_cases.batch()  # alive through the step, as Lightning's loop keeps it
         with default_dtype(precision_dtype(precision)):  # as Lightning's forward context
@@ -56,9 +56,8 @@ def second_step(model: torch.nn.Module, live: LivePeak, precision: str, offload:
         mark("backward")
         optim.step()
         mark("optimizer step")
-        phases["host"] = host
     del optim
-    return phases
+    return {key: sorted(step[key] for step in steps[1:])[1] for key in steps[0]}
 
 
 def main(out: Path) -> None:
@@ -72,14 +71,14 @@ def main(out: Path) -> None:
     for case, (_, precision, _) in fsdp2_cases.CASES.items():
         with visible_resizes(), LivePeak() as live:
             model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh)
-            results[case] = second_step(model, live, precision)
+            results[case] = steady_step(model, live, precision)
             del model
     for case in fsdp2_cases.OFFLOADED:  # the host bytes placed as a GPU run places them
         precision = fsdp2_cases.CASES[case][1]
         with visible_resizes(), LivePeak() as live:
             model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh, offload=True)
             with offloaded_like_a_gpu_run(model):
-                results[f"{case} offloaded"] = second_step(model, live, precision, offload=True)
+                results[f"{case} offloaded"] = steady_step(model, live, precision, offload=True)
             del model
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
