@@ -46,15 +46,19 @@ class Case:
     family: str
     features: tuple[str, ...] = ()  # "checkpoint", "fused", "sgd" (else AdamW), "eager experts" (MoE loop),
     # "qlora" (NoSaveBitsandbytesPrecision nf4, bfloat16, LoRA rank 8; TinyLM's head unquantized), "selective",
-    # "accumulate" (accumulate_grad_batches=2: a later micro-batch, gradients alive through the step)
+    # "accumulate" (accumulate_grad_batches=2: a later micro-batch, gradients alive through the step),
+    # "tiled" (the decoder layers' MLPs in tiles of the hidden size: TiledMLP)
     precision: str = "32-true"
     layers: int = 2  # more: predicted by estimate_from_hf_config, the step composed from traces at a few depths
+    seq: int = SEQ  # tokens per sequence
+    rows: int = BATCH  # sequences per batch
 
     @property
     def name(self) -> str:
         parts = [*self.features, *([] if self.precision == "32-true" else [self.precision])]
         composed = f" ({self.layers} layers, composed)" if self.layers != 2 else ""
-        return f"{self.family}{composed}: {' + '.join(parts) or 'plain'}"
+        shape = f" ({self.rows} x {self.seq:,} tokens)" if (self.rows, self.seq) != (BATCH, SEQ) else ""
+        return f"{self.family}{composed}{shape}: {' + '.join(parts) or 'plain'}"
 
     @property
     def optimizer(self) -> str:
@@ -103,7 +107,7 @@ def model_factory(case: Case) -> Callable[[], torch.nn.Module]:
         from lightning_memkit.demo import TinyLM
 
         loss = "fused" if "fused" in case.features else "standard"
-        return lambda: TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=SEQ, loss=loss)
+        return lambda: TinyLM(d_model=64, n_layers=2, n_heads=4, seq_len=case.seq, loss=loss)
     from lightning_memkit.demo.hf_models import tiny_hf_causal_lm
 
     # a QLoRA case: built in bf16, as memkit estimate builds a --plugin run (a bf16 checkpoint loaded; the plugin
@@ -121,7 +125,7 @@ def model_factory(case: Case) -> Callable[[], torch.nn.Module]:
 
 
 def make_batch(case: Case) -> Any:
-    ids, labels = torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
+    ids, labels = torch.randint(0, VOCAB, (case.rows, case.seq)), torch.randint(0, VOCAB, (case.rows, case.seq))
     return (ids, labels) if case.family == "tiny_lm" else {"input_ids": ids, "labels": labels}
 
 
@@ -167,6 +171,10 @@ def predict(case: Case) -> int:
         from lightning_memkit.hf.layers import kv_cache_off
 
         patches.append(kv_cache_off)
+    if "tiled" in case.features:
+        from lightning_memkit.estimate.levers.tiled_mlp import tiled_mlps_inside
+
+        patches.append(tiled_mlps_inside)
     est = estimate_training_memory(model_factory(case), lambda: make_batch(case), loss_fn=loss_fn(case),
                                    optimizer=case.optimizer, precision=case.precision,
                                    checkpoint=policy, checkpoint_mode=mode, patches=patches, plugin=plugin(case),
@@ -182,13 +190,15 @@ def predict_composed(case: Case) -> int:
     from lightning_memkit.demo.hf_models import tiny_hf_config
     from lightning_memkit.estimate.hf import estimate_from_hf_config
 
+    if "tiled" in case.features:
+        raise ValueError(f"{case.name}: a composed estimate of a tiled MLP is not a case here")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(tiny_hf_config(case.family, hidden_size=64, num_layers=case.layers,
                                        vocab_size=VOCAB).to_json_string())
         policy, mode = _checkpoint(case)
         qlora = "qlora" in case.features
-        est = estimate_from_hf_config(path, seq_len=SEQ, batch_size=BATCH,
+        est = estimate_from_hf_config(path, seq_len=case.seq, batch_size=case.rows,
                                       precision="bf16-true" if qlora else case.precision, optimizer=case.optimizer,
                                       activation_checkpointing=mode if policy else False,
                                       fused_loss="fused" in case.features, plugin="nf4-lora" if qlora else None,
@@ -205,10 +215,10 @@ class _Batches(torch.utils.data.Dataset):
         self.case = case
 
     def __len__(self) -> int:
-        return 4 * BATCH
+        return 4 * self.case.rows
 
     def __getitem__(self, i: int) -> Any:
-        ids, labels = torch.randint(0, VOCAB, (SEQ,)), torch.randint(0, VOCAB, (SEQ,))
+        ids, labels = torch.randint(0, VOCAB, (self.case.seq,)), torch.randint(0, VOCAB, (self.case.seq,))
         return (ids, labels) if self.case.family == "tiny_lm" else {"input_ids": ids, "labels": labels}
 
 
@@ -244,6 +254,10 @@ def _callbacks(case: Case, meter: Any) -> list[Any]:
         from lightning_memkit.callbacks.fused_linear_cross_entropy import FusedLinearCrossEntropy
 
         out.append(FusedLinearCrossEntropy())
+    if "tiled" in case.features:
+        from lightning_memkit.callbacks import TiledMLP
+
+        out.append(TiledMLP())
     return out
 
 
@@ -280,7 +294,7 @@ def measure(case: Case) -> int:
                              accumulate_grad_batches=accumulate,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=_callbacks(case, meter))
-        loader = torch.utils.data.DataLoader(_Batches(case), batch_size=BATCH)
+        loader = torch.utils.data.DataLoader(_Batches(case), batch_size=case.rows)
         with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
             trainer.fit(module, loader)
         del module, trainer, loader

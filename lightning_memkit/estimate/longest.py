@@ -47,9 +47,18 @@ class LongestResult:
     seconds: float = 0.0
 
     def __str__(self) -> str:
+        from lightning_memkit.measure.storage import format_bytes
+
         bound = " (the model's max_position_embeddings)" if self.seq_len == self.limit else ""
-        return (f"longest sequence that fits: {self.seq_len:,} tokens{bound}; {len(self.probes)} lengths probed "
-                f"with the strongest plans, then the plans searched at it; {self.seconds:.1f} s\n{self.search}")
+        lines = [f"longest sequence that fits: {self.seq_len:,} tokens{bound}; {len(self.probes)} lengths probed "
+                 f"with the strongest plans, then the plans searched at it; {self.seconds:.1f} s"]
+        if self.search.fitting:
+            best = self.search.fitting[0]
+            on = f" on {self.search.machine}" if self.search.machine else ""
+            lines.append(f"plan 1 at {self.seq_len:,} tokens: {best.plan.describe(self.search.base.plan)}; device "
+                         f"{format_bytes(best.peak_bytes)}, host {format_bytes(best.host_bytes)}, step "
+                         f"{best.step_seconds:.3g} s predicted{on}")
+        return "\n".join([*lines, str(self.search)])
 
     def to_dict(self) -> dict[str, Any]:
         import json

@@ -69,6 +69,7 @@ class PlanResult:
     fits: bool
     run: Any = field(repr=False, default=None)
     host_bytes: int = 0  # what the plan keeps in host memory (offloaded), apart from the device peak
+    step_seconds: float = 0.0  # the step time model's seconds for one optimizer step on the search's machine
 
     def yaml(self) -> str:
         """A LightningCLI YAML fragment to pass after the run's own config (``--config base.yaml --config this``)."""
@@ -102,7 +103,8 @@ class SearchResult:
 
         def row(r: PlanResult) -> dict[str, Any]:
             return {"plan": r.plan.describe(self.base.plan), "peak_bytes": r.peak_bytes, "host_bytes": r.host_bytes,
-                    "overhead": round(r.overhead, 4), "yaml": r.yaml(), **r.plan.to_dict()}
+                    "overhead": round(r.overhead, 4), "step_seconds": round(r.step_seconds, 4), "yaml": r.yaml(),
+                    **r.plan.to_dict()}
 
         return json.dumps({"budget_bytes": self.budget_bytes, "margin": self.margin, "base": row(self.base),
                            "plans": [row(r) for r in self.fitting], "estimated": self.estimated,
@@ -260,7 +262,7 @@ class _Search:
         cost = plan.scale_cost(self.run.base, traced, self.run, est, self.machine)
         self.base_cost = self.base_cost or cost.seconds
         result = PlanResult(plan, est.peak_bytes, cost.seconds / self.base_cost - 1, self.fits(est), self.run,
-                            getattr(est, "host_bytes", 0))
+                            getattr(est, "host_bytes", 0), cost.seconds)
         self.overheads.append((plan, result.overhead))
         if result.fits:
             self.fitting.append(result)

@@ -163,9 +163,10 @@ def test_the_callback_tiles_a_fit_and_undoes_it_after():
 
 
 def test_the_lever_estimates_the_tiled_step_and_writes_the_callback(tmp_path):
-    """``tiled_mlp`` (opt-in): the fake step of a tiled plan peaks at least one MLP intermediate per layer (beyond a
-    tile of the hidden size) below the untiled one and costs more FLOPs (each tile recomputed in backward); its YAML
-    names the callback; ``memkit estimate`` leaves it out unless allowed."""
+    """``tiled_mlp`` (opt-in): its choices are tiles of 4, 1 and 1/4 times the hidden size shorter than the sequence;
+    the fake step of a tiled plan peaks at least one MLP intermediate per layer (beyond the tile) below the untiled
+    one, lower the smaller the tile, and costs more FLOPs (each tile recomputed in backward); its YAML names the
+    callback with the tile; ``memkit estimate`` leaves it out unless allowed."""
     from lightning_memkit.demo.hf_models import tiny_hf_config
     from lightning_memkit.estimate.hf_run import HFRun
     from lightning_memkit.estimate.levers.base import Written
@@ -175,13 +176,37 @@ def test_the_lever_estimates_the_tiled_step_and_writes_the_callback(tmp_path):
     config = tiny_hf_config("llama", hidden_size=64, num_layers=2, vocab_size=256)
     path.write_text(config.to_json_string())
     run = HFRun(path, seq_len=1024, batch_size=1, precision="32-true", allow=("tiled_mlp",), device="cpu")
-    plain, tiled = run.estimate(run.base), run.estimate(run.base.replace(tiled_mlp=True))
-    assert plain.peak_bytes - tiled.peak_bytes >= 2 * (1024 - 64) * config.intermediate_size * 4
-    assert tiled.step_flops > plain.step_flops
+    assert TILED_MLP.options(run.base["tiled_mlp"], run) == [False, 256, 64, 16]
+    plain = run.estimate(run.base)
+    peaks = [run.estimate(run.base.replace(tiled_mlp=t)).peak_bytes for t in (256, 64, 16)]
+    assert plain.peak_bytes - peaks[1] >= 2 * (1024 - 64) * config.intermediate_size * 4
+    assert plain.peak_bytes > peaks[0] >= peaks[1] >= peaks[2]
+    assert run.estimate(run.base.replace(tiled_mlp=64)).step_flops > plain.step_flops
     out = Written()
-    TILED_MLP.write_hf({"tiled_mlp": True}, run, out)
-    assert out.callbacks == [{"class_path": "lightning_memkit.callbacks.TiledMLP"}]
+    TILED_MLP.write_hf(run.base.replace(tiled_mlp=64), run, out)
+    assert out.callbacks == [{"class_path": "lightning_memkit.callbacks.TiledMLP", "init_args": {"tile_tokens": 64}}]
     assert TILED_MLP.opt_in and not HFRun(path, seq_len=64, batch_size=1).allows("tiled_mlp")
+
+
+@pytest.mark.slow
+def test_the_planner_takes_the_largest_tile_the_budget_allows(tmp_path):
+    """A wide MLP (intermediate 32 x hidden) recomputed: the smaller the tile, the lower the peak. At a budget between
+    the peaks of 256- and 64-token tiles the search's plan tiles by 64 (not 16: more work for nothing the budget
+    needs); at one above the 256-token tile's peak, by 256."""
+    from lightning_memkit.demo.hf_models import tiny_hf_config
+    from lightning_memkit.estimate.hf_run import HFRun
+    from lightning_memkit.estimate.plans import search_plans
+
+    path = tmp_path / "config.json"
+    path.write_text(tiny_hf_config("llama", hidden_size=64, num_layers=2, vocab_size=256,
+                                   intermediate_size=2048).to_json_string())
+    run = HFRun(path, seq_len=2048, batch_size=1, precision="32-true", allow=("tiled_mlp", "recompute"),
+                device="cpu")
+    peak = {t: run.estimate(run.base.replace(recompute="full", tiled_mlp=t)).peak_bytes for t in (256, 64, 16)}
+    assert peak[256] > peak[64] > peak[16]
+    for budget, tile in ((int((peak[256] + peak[64]) / 2 * 1.05), 64), (int(peak[256] * 1.06), 256)):
+        plan = search_plans(run, budget, max_plans=1).fitting[0].plan
+        assert (plan["recompute"], plan["tiled_mlp"]) == ("full", tile)
 
 
 def test_memory_budget_pulls_the_tiled_mlp_when_allowed():
