@@ -188,6 +188,10 @@ class MemoryBudget(Callback):
         #: the checkpoint this fit resumes from, when known before ``setup`` (``memkit fit --ckpt_path`` sets it): its
         #: plan is estimated once and kept where it fits, instead of a search
         self.resume_from: str | None = None
+        #: the tokens per row chosen for a data module that leaves its length open (``max_length="auto"``)
+        self.max_length: int | None = None
+        self._open_data: Any = None  # that data module
+        self._length_resumed = False  # its length set back to the checkpoint's after setup: planned again
 
     @property
     def replanned(self) -> bool:
@@ -212,6 +216,7 @@ class MemoryBudget(Callback):
             self._plan_pipeline(trainer)
             return
         self._split = self._own_split(trainer)
+        self._choose_length(trainer, pl_module)
         with rng_untouched(trainer.strategy.root_device):
             batch = self._planning_batch(trainer, pl_module)
         if batch is not None and not self._plan_of_checkpoint(trainer, pl_module, batch):
@@ -221,9 +226,11 @@ class MemoryBudget(Callback):
         if self._pipeline:  # on CPU every rank holds the whole model: its live bytes are not the rank's
             self._cpu_watch = False
             return
-        if self.plan is None:  # dataloaders passed to fit: the loader exists only now
+        if self.plan is None or self._length_resumed:  # loaders passed to fit, or the checkpoint's length
             with rng_untouched(trainer.strategy.root_device):
-                batch = self._from_loader(trainer.train_dataloader)
+                batch = (trainer.datamodule.longest_batch() if self._length_resumed
+                         else self._from_loader(trainer.train_dataloader))
+            self._length_resumed = False
             with self._features_off(trainer, pl_module):
                 self._plan(trainer, pl_module, batch, _between_steps(self.allow), late=True)
         self._resume_plan(trainer, pl_module)
@@ -231,6 +238,20 @@ class MemoryBudget(Callback):
         if not self._cpu_watch and trainer.strategy.root_device.type == "cpu":
             rank_zero_warn(f"{_OWNER}: the model runs compiled code, whose CPU buffers LivePeak cannot see; steps are "
                            "not measured (the plan stands on the estimate; out-of-memory steps are still recovered)")
+
+    def _choose_length(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A data module whose length is open (``max_length="auto"``): cut to the longest its budget fits
+        (:mod:`~lightning_memkit.callbacks.budget_length`), the checkpoint's length on a resume."""
+        from lightning_memkit.callbacks.budget_length import choose_length
+
+        saved = _saved_state(self.resume_from or trainer.ckpt_path, self.state_key).get("max_length")
+        def run(batch: Any) -> Any:
+            return self._run(trainer, pl_module, batch, self.allow, quiet=True)
+
+        with unmeasured(), rng_untouched(trainer.strategy.root_device):
+            found = choose_length(trainer, pl_module, run, self.budget_bytes - self._context_bytes, self.margin, saved,
+                                  _say, _OWNER)
+        self.max_length, self._open_data = found, trainer.datamodule if found else None
 
     def _own_split(self, trainer: Trainer) -> Any:
         """The Trainer's ``MicroBatchSplit`` (one is added if it has none), set to recover with this budget."""
@@ -306,11 +327,17 @@ class MemoryBudget(Callback):
     # -- resuming ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The plan the run trains with (re-plans included) and the bytes the estimate missed, for a resume."""
+        length = {"max_length": self.max_length} if self.max_length else {}
         if self.plan is None or self._pipeline:
-            return {}
-        return {"plan": self.plan.plan.to_dict(), "missed_bytes": int(self._missed)}
+            return length
+        return {"plan": self.plan.plan.to_dict(), "missed_bytes": int(self._missed), **length}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        length = state_dict.get("max_length")
+        if self._open_data is not None and length and length != self.max_length:  # cut as the run was: its data
+            self._open_data.set_max_length(int(length))  # (the loader's position), planned again at train start
+            self.max_length, self._length_resumed = int(length), True
+            _say(f"{_OWNER}: max_length='auto': {int(length):,} tokens per row, as the checkpoint's run chose")
         self._restored = state_dict.get("plan")
         self._missed = max(self._missed, int(state_dict.get("missed_bytes", 0)))
 
@@ -396,12 +423,14 @@ class MemoryBudget(Callback):
         self.ranked_on = result.machine or self.ranked_on  # a search that ranked nothing keeps the last one's
         return result
 
-    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str]) -> Any:
+    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: Any, allow: Sequence[str],
+             quiet: bool = False) -> Any:
         from lightning_memkit.estimate.module import ModuleRun
 
+        say = (lambda _line: None) if quiet else _say
         ac = find_callback(trainer, lever("recompute").callback)
         if "micro_batch" in allow and (why := _no_split(pl_module, batch)):
-            _say(f"{_OWNER}: the micro-batch axis is off: {why}")
+            say(f"{_OWNER}: the micro-batch axis is off: {why}")
             allow = [a for a in allow if a != "micro_batch"]
         plugin = trainer.precision_plugin
         plugin = plugin if isinstance(plugin, import_object(lever("quantization").plugin)) else None
@@ -411,7 +440,7 @@ class MemoryBudget(Callback):
                          target=trainer.strategy.root_device.type, keep=(trainer,), devices=trainer.world_size,
                          refusals=_refusals(trainer, pl_module, allow))
         for name, why in run.off_levers().items():
-            _say(f"{_OWNER}: the {name} lever is off: {why}")
+            say(f"{_OWNER}: the {name} lever is off: {why}")
         return run
 
     def _nothing_fits(self, run: Any, budget: int) -> NoPlanFits:

@@ -49,9 +49,11 @@ class LongestResult:
     def __str__(self) -> str:
         from lightning_memkit.measure.storage import format_bytes
 
-        bound = " (the model's max_position_embeddings)" if self.seq_len == self.limit else ""
+        bound = " (the most tried: the positions or the data allow no more)" if self.seq_len == self.limit else ""
         lines = [f"longest sequence that fits: {self.seq_len:,} tokens{bound}; {len(self.probes)} lengths probed "
                  f"with the strongest plans, then the plans searched at it; {self.seconds:.1f} s"]
+        if self.search is None:
+            return lines[0]
         if self.search.fitting:
             best = self.search.fitting[0]
             on = f" on {self.search.machine}" if self.search.machine else ""
@@ -65,17 +67,19 @@ class LongestResult:
 
         return {"seq_len": self.seq_len, "limit": self.limit, "seconds": round(self.seconds, 1),
                 "probes": [{"seq_len": t, "fits": f, "peak_bytes": p} for t, f, p in self.probes],
-                "search": json.loads(self.search.to_json())}
+                "search": None if self.search is None else json.loads(self.search.to_json())}
 
 
 def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower: int = 1024,
                      granularity: int = 1024, margin: float = 0.05, host_budget: int | None = None,
-                     machine: Any = None, progress: Callable[[str], None] | None = None,
-                     **search: Any) -> LongestResult:
-    """The longest sequence (a multiple of ``granularity``, at least ``lower``) whose step fits ``budget_bytes`` with
-    some plan; ``make_run(seq_len)`` makes the run (an :class:`~lightning_memkit.estimate.hf_run.HFRun` at that
-    length). ``margin``, ``host_budget``, ``machine`` and ``search`` (``max_plans``, ``max_estimates``) as
-    :func:`~lightning_memkit.estimate.plans.search_plans`'.
+                     machine: Any = None, progress: Callable[[str], None] | None = None, limit: int | None = None,
+                     plans: bool = True, **search: Any) -> LongestResult:
+    """The longest sequence (a multiple of ``granularity``, at least ``lower``, or ``limit``) whose step fits
+    ``budget_bytes`` with some plan; ``make_run(seq_len)`` makes the run (an
+    :class:`~lightning_memkit.estimate.hf_run.HFRun` at that length). ``limit``: the most tokens to try (default:
+    the run's config's ``max_position_embeddings``, if any); ``plans=False``: no plan search at the length found
+    (``search`` is then ``None``). ``margin``, ``host_budget``, ``machine`` and ``search`` (``max_plans``,
+    ``max_estimates``) as :func:`~lightning_memkit.estimate.plans.search_plans`'.
 
     Raises:
         ValueError: a bad argument (one line naming it), or no plan fits even at ``lower`` tokens.
@@ -85,6 +89,9 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
 
     check_int(lower, "lower", minimum=1, owner=_OWNER)
     check_int(granularity, "granularity", minimum=1, owner=_OWNER)
+    if limit is not None:
+        check_int(limit, "limit", minimum=1, owner=_OWNER)
+        lower = min(lower, limit)
     say = progress or (lambda _line: None)
     start = time.perf_counter()
     if host_budget is None:  # read once: every length is judged against the same host memory
@@ -96,7 +103,7 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
             runs[tokens] = make_run(tokens)
         return runs[tokens]
 
-    limit = _position_limit(runs[lower])
+    limit = limit if limit is not None else _position_limit(runs[lower])
     probes: list[tuple[int, bool, int]] = []
 
     def fits(tokens: int) -> bool:
@@ -124,6 +131,9 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
         else:
             bad = tokens
         secant = bad - good <= width // 2  # a secant step that did not halve the bracket: bisect once
+    if not plans:
+        say(f"longest: {good:,} tokens")
+        return LongestResult(good, None, probes, limit or 0, time.perf_counter() - start)
     say(f"longest: {good:,} tokens; searching its plans")
     result = search_plans(run_at(good), budget_bytes, margin=margin, host_budget=host_budget, machine=machine,
                           progress=progress, **search)

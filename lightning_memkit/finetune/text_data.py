@@ -5,6 +5,8 @@ read by the ``datasets`` library (memory-mapped, cached), tokenized with your mo
 ``max_length`` tokens: every batch is ``batch_size x max_length``. ``packing=False`` keeps one document per row,
 truncated to ``max_length`` and padded per batch (padding masked out of the loss). Either way ``max_length`` is
 the declared longest row, so :meth:`TextDataModule.longest_batch` gives ``MemoryBudget`` the batch to plan on.
+``max_length="auto"`` leaves the length to ``MemoryBudget``: the longest its budget fits, at most what the data allows
+(packing: one batch of blocks from the training share; else the longest document), said in one line.
 The training order is a seeded shuffle per epoch; the training loader is torchdata's ``StatefulDataLoader``, whose
 position Lightning saves with every checkpoint, so a run resumed mid-epoch sees the batches it would have seen.
 
@@ -27,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ __all__ = ["TextDataModule", "train_tokenizer"]
 
 _KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 _OWNER = "TextDataModule"
+_PACKED = 1000  # documents concatenated at a time when packing (the tail of each group is dropped)
 
 
 class _EpochShuffle(Sampler[int]):
@@ -65,7 +69,8 @@ class TextDataModule(pl.LightningDataModule):
         path: a ``.jsonl``/``.json``, ``.parquet`` or ``.txt`` file, or a directory written by ``save_to_disk``.
         tokenizer: the tokenizer's directory or hub name (usually the model's).
         text_field: the column holding the text (``text``; plain-text files have only that).
-        max_length: tokens per row: the block length when packing, the truncation length otherwise.
+        max_length: tokens per row: the block length when packing, the truncation length otherwise; ``"auto"``: the
+            longest that fits the budget of the Trainer's ``MemoryBudget``, chosen before the first step.
         packing: fixed blocks of concatenated documents (``True``) or one padded document per row.
         batch_size: rows per batch.
         val_fraction: share of the rows held out for validation (0: none).
@@ -73,12 +78,12 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers.
     """
 
-    def __init__(self, path: str, tokenizer: str, text_field: str = "text", max_length: int = 1024,
+    def __init__(self, path: str, tokenizer: str, text_field: str = "text", max_length: int | str = 1024,
                  packing: bool = True, batch_size: int = 8, val_fraction: float = 0.05, seed: int = 0,
                  num_workers: int = 0) -> None:
         super().__init__()
-        for name, value in (("max_length", max_length), ("batch_size", batch_size)):
-            check_int(value, name, minimum=1, owner=_OWNER)
+        check_int(max_length, "max_length", minimum=1, also=("auto",), owner=_OWNER)
+        check_int(batch_size, "batch_size", minimum=1, owner=_OWNER)
         check_int(seed, "seed", minimum=0, owner=_OWNER)
         check_int(num_workers, "num_workers", minimum=0, owner=_OWNER)
         check_bool(packing, "packing", owner=_OWNER)
@@ -96,27 +101,78 @@ class TextDataModule(pl.LightningDataModule):
         self.train_set: Any = None
         self.val_set: Any = None
         self._tokenizer: Any = None
+        self._documents: Any = None  # max_length="auto": the tokenized documents, cut once a length is chosen
+        self.max_length: int | None = None if max_length == "auto" else max_length
 
     # -- data ------------------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
+        if self.train_set is not None or self._documents is not None:
             return
         from transformers import AutoTokenizer
 
         hp = self.hparams
         self._tokenizer = AutoTokenizer.from_pretrained(hp.tokenizer)
-        rows = _tokenized(_load(hp.path), self._tokenizer, hp.text_field, hp.max_length, hp.packing)
-        if len(rows) < hp.batch_size:
-            raise ValueError(f"{_OWNER}(path={hp.path!r}): {len(rows)} rows of {hp.max_length} tokens, fewer than "
-                             f"one batch of {hp.batch_size}")
-        if hp.val_fraction > 0:
+        self._documents = _encoded(_load(hp.path), self._tokenizer, hp.text_field, self.max_length, hp.packing)
+        if self.max_length is not None:
+            self._cut(self.max_length)
+
+    def auto_length_limit(self) -> int | None:
+        """``max_length="auto"`` before a length is chosen: the most tokens per row the data allows (packing: the
+        training share's tokens over one batch; else the longest document), else ``None``."""
+        if self.max_length is not None or self._documents is None:
+            return None
+        lengths = [len(ids) for ids in self._documents["input_ids"]]
+        if not self.hparams.packing:
+            return max(lengths)
+        chunks = [sum(lengths[i:i + _PACKED]) for i in range(0, len(lengths), _PACKED)]
+
+        def batches(tokens: int) -> bool:  # a training batch of blocks of ``tokens``, after the validation share
+            rows = sum(c // tokens for c in chunks)
+            return rows - math.ceil(rows * self.hparams.val_fraction) >= self.batch_size
+
+        low, high = 2, max(chunks)  # the longest block that still makes one batch (fewer rows the longer)
+        if not batches(low):
+            raise ValueError(f"{_OWNER}(path={self.hparams.path!r}): {sum(lengths)} tokens, fewer than one batch of "
+                             f"{self.batch_size} rows of 2 tokens")
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if batches(middle) else (low, middle - 1)
+        return low
+
+    def batch_at(self, tokens: int) -> dict[str, torch.Tensor]:
+        """A batch of ``batch_size`` rows of ``tokens`` tokens, as the loader collates them (to plan on)."""
+        check_int(tokens, "tokens", minimum=1, owner=f"{_OWNER}.batch_at")
+        return self._collate([{"input_ids": torch.zeros(tokens, dtype=torch.long)}] * self.batch_size)
+
+    def set_max_length(self, tokens: int) -> None:
+        """Cut the documents into rows of ``tokens`` (``max_length="auto"``: called by ``MemoryBudget`` with the
+        longest length that fits its budget, before the first step)."""
+        check_int(tokens, "max_length", minimum=1, owner=_OWNER)
+        if self._documents is None:
+            raise ValueError(f"{_OWNER}.set_max_length: call setup() first")
+        self.max_length = tokens
+        self._cut(tokens)
+
+    def _cut(self, max_length: int) -> None:
+        hp = self.hparams
+        rows = _rows(self._documents, max_length, hp.packing)
+        train, val = rows, None
+        if hp.val_fraction > 0 and len(rows) > 1:
             split = rows.train_test_split(test_size=hp.val_fraction, seed=hp.seed)
-            self.train_set, self.val_set = split["train"], split["test"]
-        else:
-            self.train_set = rows
+            train, val = split["train"], split["test"]
+        if len(train) < hp.batch_size:
+            share = " for training" if val is not None else ""
+            raise ValueError(f"{_OWNER}(path={hp.path!r}): {len(train)} rows of {max_length} tokens{share}, fewer "
+                             f"than one batch of {hp.batch_size}")
+        self.train_set, self.val_set = train, val
         self.train_set.set_format("torch")
         if self.val_set is not None:
             self.val_set.set_format("torch")
+
+    def _ready(self) -> None:
+        if self.train_set is None and self.max_length is None and self._documents is not None:
+            raise ValueError(f"{_OWNER}(max_length='auto'): no length chosen yet: put MemoryBudget on the Trainer (it "
+                             "trains at the longest length its budget fits) or give max_length a number")
 
     def train_dataloader(self) -> DataLoader:
         """An :class:`~lightning_memkit.common.stateful_loader.EpochStatefulLoader` (torchdata's
@@ -124,11 +180,13 @@ class TextDataModule(pl.LightningDataModule):
         mid-epoch sees the rest of that epoch's batches, in order, and one resumed at an epoch's end the next epoch."""
         from lightning_memkit.common.stateful_loader import EpochStatefulLoader
 
+        self._ready()
         return EpochStatefulLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
                                    sampler=_EpochShuffle(len(self.train_set), self.hparams.seed),
                                    collate_fn=self._collate, num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
+        self._ready()
         if self.val_set is None:
             return []
         return DataLoader(self.val_set, batch_size=self.batch_size, collate_fn=self._collate,
@@ -137,8 +195,9 @@ class TextDataModule(pl.LightningDataModule):
     def longest_batch(self) -> dict[str, torch.Tensor]:
         """The largest batch the run will see: ``batch_size`` rows of ``max_length`` tokens (``MemoryBudget``
         plans on it)."""
+        self._ready()
         rows = [self.train_set[i] for i in range(self.batch_size)]
-        return self._collate(rows, pad_to=self.hparams.max_length)
+        return self._collate(rows, pad_to=self.max_length)
 
     def _collate(self, rows: list[dict[str, torch.Tensor]], pad_to: int | None = None) -> dict[str, torch.Tensor]:
         length = max(pad_to or 0, *(len(r["input_ids"]) for r in rows))
@@ -207,7 +266,9 @@ def _load(path: str) -> Any:
     return datasets.load_dataset(_KINDS[source.suffix], data_files=str(source), split="train")
 
 
-def _tokenized(rows: Any, tokenizer: Any, field: str, max_length: int, packing: bool) -> Any:
+def _encoded(rows: Any, tokenizer: Any, field: str, max_length: int | None, packing: bool) -> Any:
+    """The documents' token ids: each ended by the EOS token when packing, else truncated to ``max_length`` (whole
+    where it is not known yet)."""
     if field not in rows.column_names:
         raise ValueError(f"{_OWNER}(text_field={field!r}): the data has the columns {rows.column_names}")
     eos = tokenizer.eos_token_id
@@ -217,16 +278,25 @@ def _tokenized(rows: Any, tokenizer: Any, field: str, max_length: int, packing: 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         if packing:
             return {"input_ids": [ids + [eos] for ids in tokenizer(batch[field])["input_ids"]]}
-        return {"input_ids": tokenizer(batch[field], truncation=True, max_length=max_length)["input_ids"]}
+        cut = {"truncation": True, "max_length": max_length} if max_length else {}
+        return {"input_ids": tokenizer(batch[field], **cut)["input_ids"]}
+
+    return rows.map(encode, batched=True, remove_columns=rows.column_names, desc="tokenizing")
+
+
+def _rows(documents: Any, max_length: int, packing: bool) -> Any:
+    """The training rows: blocks of ``max_length`` tokens of the concatenated documents when packing, else each
+    document truncated to ``max_length``; rows of one token dropped."""
 
     def blocks(batch: dict[str, list]) -> dict[str, list]:
         flat = [t for ids in batch["input_ids"] for t in ids]
         whole = len(flat) // max_length * max_length
         return {"input_ids": [flat[i:i + max_length] for i in range(0, whole, max_length)]}
 
-    rows = rows.map(encode, batched=True, remove_columns=rows.column_names, desc="tokenizing")
     if packing:
-        rows = rows.map(blocks, batched=True, batch_size=1000, desc=f"packing into blocks of {max_length}")
+        rows = documents.map(blocks, batched=True, batch_size=_PACKED, desc=f"packing into blocks of {max_length}")
+    else:
+        rows = documents.map(lambda r: {"input_ids": r["input_ids"][:max_length]}, desc="truncating")
     return rows.filter(lambda r: len(r["input_ids"]) > 1, desc="dropping empty rows")
 
 
