@@ -2,6 +2,9 @@
 
 Cases:
 
+- the levers in the order they help: Llama-3.1-8B QLoRA at 65,536 tokens, one lever added at a time (the fused loss,
+  full recomputation, activation offload, the tiled MLP): each plan's predicted device peak, host bytes and step time
+  (an H100's balance);
 - the longest sequence predicted for one sequence of Llama-3.1-8B QLoRA (nf4, LoRA rank 16, bf16) on 24 GiB and on
   80 GiB with 128 GiB of host memory, an H100's balance assumed (``examples/hf_configs/llama3_1_8b.json``, its
   ``max_position_embeddings`` raised from 131,072 to 1,048,576 in a copy: Unsloth's 342,733-token run goes past the
@@ -46,6 +49,11 @@ SEARCHES = (
     ("Qwen3-30B-A3B QLoRA nf4, batch 1, 80 GiB", "qwen3_30b_a3b.json", "80GiB", None, None),
 )
 LENGTHS = (4096, 8192, 16384)
+LADDER_TOKENS = 65_536
+#: the levers added one at a time, in the order they help a long sequence
+LADDER = (("QLoRA nf4 as given", {}), ("+ fused loss", {"fused_loss": True}),
+          ("+ full recompute", {"recompute": "full"}), ("+ activation offload", {"offload_activations": True}),
+          ("+ tiled MLP", {"tiled_mlp": 4096}))
 FEATURES = ("checkpoint", "fused")
 
 
@@ -90,6 +98,32 @@ def _search(label: str, name: str, budget: str, unsloth: int | None, plain: int 
     goal = f"beyond Unsloth's {unsloth:,} tokens" if unsloth else "a length found"
     met = best is not None and (unsloth is None or out["seq_len"] > unsloth)
     return record("long_context", case, "Unsloth (reported)", rows, goal=goal, met=met)
+
+
+def _ladder() -> dict[str, Any]:
+    from lightning_memkit.estimate.hf_run import HFRun
+    from lightning_memkit.estimate.plans import step_cost
+    from lightning_memkit.measure.machine import machine_balance
+
+    machine = machine_balance("h100")
+    run = HFRun(ROOT / "examples" / "hf_configs" / "llama3_1_8b.json", seq_len=LADDER_TOKENS, batch_size=1,
+                precision="bf16-true", plugin="nf4-lora", allow=tuple(LEVERS.split(",")))
+    plan, rows, base = run.base, [], None
+    for label, change in LADDER:
+        plan = plan.replace(**change)
+        start = time.perf_counter()
+        est = run.estimate(plan)
+        cost = plan.scale_cost(run.base, step_cost(est, machine, run.compute_dtype(plan)), run, est, machine).seconds
+        base = base or cost
+        largest = est.largest_tensor
+        rows.append({"impl": label, "device GiB": _gib(est.peak_bytes), "host GiB": _gib(est.host_bytes),
+                     "step s (predicted, H100)": round(cost, 2), "step time": f"{cost / base - 1:+.0%}",
+                     "largest tensor": (f"{_gib(largest['bytes'])} GiB {tuple(largest['shape'])} in "
+                                        f"{largest['module'] or 'the step'}") if largest else "",
+                     "estimated in s": round(time.perf_counter() - start, 1)})
+    case = (f"Llama-3.1-8B QLoRA nf4, one sequence of {LADDER_TOKENS:,} tokens: the levers added one at a time "
+            "(estimates for an H100)")
+    return record("long_context", case, "QLoRA nf4 as given", rows)
 
 
 def _step_seconds(case: Case, steps: int = 4) -> float:
@@ -142,5 +176,5 @@ def run(device: str = "cpu", quick: bool = False) -> list[dict]:
     lengths = LENGTHS[:1] if quick else LENGTHS
     entries = [_table(family, lengths) for family in ("llama", "qwen3_moe")]
     if not quick:
-        entries = [*(_search(*s) for s in SEARCHES), *entries]
+        entries = [_ladder(), *(_search(*s) for s in SEARCHES), *entries]
     return entries
