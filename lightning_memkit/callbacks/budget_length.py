@@ -30,6 +30,7 @@ def choose_length(trainer: Any, pl_module: Any, make_run: Callable[[Any], Any], 
     """The length the data module of ``trainer`` is cut to (set on it), or ``None`` where its length is fixed.
     ``make_run(batch)``: the run of a planning batch; ``saved``: the length of the checkpoint resumed."""
     from lightning_memkit.estimate.longest import longest_sequence
+    from lightning_memkit.measure.storage import format_bytes
 
     data = trainer.datamodule
     limit = getattr(data, "auto_length_limit", lambda: None)()
@@ -57,5 +58,5 @@ def choose_length(trainer: Any, pl_module: Any, make_run: Callable[[Any], Any], 
     data.set_max_length(tokens)
     bound = "the data's" if most == limit else "the model's max_position_embeddings"
     say(f"{owner}: max_length='auto': training at {tokens:,} tokens per row, the longest whose strongest plan fits "
-        f"{budget_bytes / 2**30:.2f} GiB with the {margin:.0%} margin ({bound} limit: {most:,})")
+        f"{format_bytes(budget_bytes)} with the {margin:.0%} margin ({bound} limit: {most:,})")
     return tokens

@@ -124,7 +124,12 @@ class _Batches:
             self.datamodule = instantiate(self.entry)
             self.datamodule.prepare_data()
             self.datamodule.setup("fit")
-            self.batches = iter(self.datamodule.train_dataloader())
+        limit = getattr(self.datamodule, "auto_length_limit", lambda: None)()
+        if limit is not None:
+            raise ConfigError("--config: the data module's max_length is 'auto', which MemoryBudget chooses in "
+                              f"memkit fit; estimate one length with --data.init_args.max_length N (the data allows "
+                              f"up to {limit:,})")
+        self.batches = iter(self.datamodule.train_dataloader())
 
     def __call__(self) -> Any:
         if self.batches is None:

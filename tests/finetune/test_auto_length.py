@@ -123,3 +123,21 @@ def test_a_resume_keeps_the_checkpoints_length_whatever_the_budget_now(files, tm
     resumed, again, *_ = _fit(files, 2 * budget, 5, tmp_path / "run", ckpt_path="last")
     assert again.max_length == length and "as the checkpoint's run chose" in caplog.text
     assert resumed.batches == straight.batches[2:] and resumed.losses == straight.losses[2:]
+
+
+def test_memkit_estimate_of_a_config_with_an_open_length_is_one_line(files, tmp_path):
+    from lightning_memkit.common.errors import ConfigError
+    from lightning_memkit.estimate.config import estimate_from_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""
+trainer: {{accelerator: cpu, max_steps: 1}}
+model:
+  class_path: lightning_memkit.finetune.PretrainedCausalLM
+  init_args: {{model: {files / "base"}, dtype: float32}}
+data:
+  class_path: lightning_memkit.finetune.TextDataModule
+  init_args: {{path: {files / "docs.jsonl"}, tokenizer: {files / "tokenizer"}, max_length: auto, batch_size: 2}}
+""")
+    with pytest.raises(ConfigError, match=r"max_length is 'auto'.*--data.init_args.max_length N \(the data allows"):
+        estimate_from_config(config)
