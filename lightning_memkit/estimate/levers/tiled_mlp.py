@@ -67,6 +67,15 @@ def _hidden(run: Any) -> int | None:
     return default_tile_tokens(module)
 
 
+def _tokens(run: Any) -> int | None:
+    """The tokens of ``run``'s sequences: an HF run's ``seq_len``, a module run's ``input_ids`` (else ``None``)."""
+    tokens = getattr(run, "seq_len", None)
+    if tokens is None and isinstance(getattr(run, "batch", None), dict):
+        ids = run.batch.get("input_ids")
+        tokens = int(ids.shape[-1]) if hasattr(ids, "shape") and len(ids.shape) >= 1 else None
+    return tokens
+
+
 class TiledMLPLever(SwitchLever):
     name, kind, keeps_math, opt_in = "tiled_mlp", "work", True, True
     callback = "lightning_memkit.callbacks.TiledMLP"
@@ -85,7 +94,7 @@ class TiledMLPLever(SwitchLever):
         hidden = _hidden(run)
         if hidden is None:  # a config run: the tile of the hidden size only
             return [base] if base else [False, "auto"]
-        tiles = tile_choices(hidden, getattr(run, "seq_len", None))
+        tiles = tile_choices(hidden, _tokens(run))
         if base:
             given = hidden if base == "auto" else base
             return [base, *(t for t in tiles if t < given)]
