@@ -78,11 +78,12 @@ class FastOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-        from torch.utils.flop_counter import FlopCounterMode
+
+        from lightning_memkit.estimate.flops import flop_registry
 
         self._fake = FakeTensor
         self._in_kernel = _InKernel if _InKernel.available() else in_kernel_invocation_manager
-        self.registry = FlopCounterMode(display=False).flop_registry
+        self.registry = flop_registry()
         self.counting = False
         self.flops = 0
         self._kind: dict[Any, str | None] = {}  # op overload -> "view", "in place", "out" or None

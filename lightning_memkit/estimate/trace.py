@@ -372,9 +372,9 @@ class FlopCount(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        from torch.utils.flop_counter import FlopCounterMode
+        from lightning_memkit.estimate.flops import flop_registry
 
-        self.registry = FlopCounterMode(display=False).flop_registry
+        self.registry = flop_registry()
         self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
