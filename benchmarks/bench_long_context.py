@@ -49,6 +49,9 @@ SEARCHES = (
     ("Qwen3-30B-A3B QLoRA nf4, batch 1, 80 GiB", "qwen3_30b_a3b.json", "80GiB", None, None),
 )
 LENGTHS = (4096, 8192, 16384)
+#: plans estimated by the search at the longest length (the strongest fit there by construction; a tiled estimate of
+#: several hundred thousand tokens takes about a minute on this CPU, each tile traced)
+FINAL_ESTIMATES = 12
 LADDER_TOKENS = 65_536
 #: the levers added one at a time, in the order they help a long sequence
 LADDER = (("QLoRA nf4 as given", {}), ("+ fused loss", {"fused_loss": True}),
@@ -76,7 +79,8 @@ def _search(label: str, name: str, budget: str, unsloth: int | None, plain: int 
     with tempfile.TemporaryDirectory() as tmp:
         path, trained = _config(name, Path(tmp))
         args = ("--hf-config", str(path), "--precision", "bf16-true", "--plugin", "nf4-lora", "--seq-len", "max",
-                "--budget", budget, "--host-memory", "128GiB", "--machine", "h100", "--allow", LEVERS)
+                "--budget", budget, "--host-memory", "128GiB", "--machine", "h100", "--allow", LEVERS,
+                "--max-estimates", str(FINAL_ESTIMATES))
         shown = " ".join(a if a != str(path) else f"{name} (positions {POSITIONS:,})" for a in args)
         case = f"{label} (memkit estimate {shown}; the config trains {trained:,} positions)"
         try:

@@ -163,7 +163,7 @@ def test_the_callback_tiles_a_fit_and_undoes_it_after():
 
 
 def test_the_lever_estimates_the_tiled_step_and_writes_the_callback(tmp_path):
-    """``tiled_mlp`` (opt-in): its choices are tiles of 4, 1 and 1/4 times the hidden size shorter than the sequence;
+    """``tiled_mlp`` (opt-in): its choices are tiles of 4 and 1 times the hidden size shorter than the sequence;
     the fake step of a tiled plan peaks at least one MLP intermediate per layer (beyond the tile) below the untiled
     one, lower the smaller the tile, and costs more FLOPs (each tile recomputed in backward); its YAML names the
     callback with the tile; ``memkit estimate`` leaves it out unless allowed."""
@@ -176,11 +176,11 @@ def test_the_lever_estimates_the_tiled_step_and_writes_the_callback(tmp_path):
     config = tiny_hf_config("llama", hidden_size=64, num_layers=2, vocab_size=256)
     path.write_text(config.to_json_string())
     run = HFRun(path, seq_len=1024, batch_size=1, precision="32-true", allow=("tiled_mlp",), device="cpu")
-    assert TILED_MLP.options(run.base["tiled_mlp"], run) == [False, 256, 64, 16]
+    assert TILED_MLP.options(run.base["tiled_mlp"], run) == [False, 256, 64]
     plain = run.estimate(run.base)
-    peaks = [run.estimate(run.base.replace(tiled_mlp=t)).peak_bytes for t in (256, 64, 16)]
+    peaks = [run.estimate(run.base.replace(tiled_mlp=t)).peak_bytes for t in (256, 64)]
     assert plain.peak_bytes - peaks[1] >= 2 * (1024 - 64) * config.intermediate_size * 4
-    assert plain.peak_bytes > peaks[0] >= peaks[1] >= peaks[2]
+    assert plain.peak_bytes > peaks[0] >= peaks[1]
     assert run.estimate(run.base.replace(tiled_mlp=64)).step_flops > plain.step_flops
     out = Written()
     TILED_MLP.write_hf(run.base.replace(tiled_mlp=64), run, out)
@@ -191,8 +191,8 @@ def test_the_lever_estimates_the_tiled_step_and_writes_the_callback(tmp_path):
 @pytest.mark.slow
 def test_the_planner_takes_the_largest_tile_the_budget_allows(tmp_path):
     """A wide MLP (intermediate 32 x hidden) recomputed: the smaller the tile, the lower the peak. At a budget between
-    the peaks of 256- and 64-token tiles the search's plan tiles by 64 (not 16: more work for nothing the budget
-    needs); at one above the 256-token tile's peak, by 256."""
+    the peaks of 256- and 64-token tiles the search's plan tiles by 64; at one above the 256-token tile's peak, by
+    256 (the larger tile: less work)."""
     from lightning_memkit.demo.hf_models import tiny_hf_config
     from lightning_memkit.estimate.hf_run import HFRun
     from lightning_memkit.estimate.plans import search_plans
@@ -202,8 +202,8 @@ def test_the_planner_takes_the_largest_tile_the_budget_allows(tmp_path):
                                    intermediate_size=2048).to_json_string())
     run = HFRun(path, seq_len=2048, batch_size=1, precision="32-true", allow=("tiled_mlp", "recompute"),
                 device="cpu")
-    peak = {t: run.estimate(run.base.replace(recompute="full", tiled_mlp=t)).peak_bytes for t in (256, 64, 16)}
-    assert peak[256] > peak[64] > peak[16]
+    peak = {t: run.estimate(run.base.replace(recompute="full", tiled_mlp=t)).peak_bytes for t in (256, 64)}
+    assert peak[256] > peak[64]
     for budget, tile in ((int((peak[256] + peak[64]) / 2 * 1.05), 64), (int(peak[256] * 1.06), 256)):
         plan = search_plans(run, budget, max_plans=1).fitting[0].plan
         assert (plan["recompute"], plan["tiled_mlp"]) == ("full", tile)
