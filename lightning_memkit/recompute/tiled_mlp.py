@@ -87,10 +87,13 @@ def default_tile_tokens(model: nn.Module) -> int:
     return 1024
 
 
-def tiled_forward(forward: Callable[..., torch.Tensor], tile_tokens: int, kind: str) -> Callable[..., torch.Tensor]:
+def tiled_forward(forward: Callable[..., torch.Tensor], tile_tokens: int, kind: str,
+                  module: nn.Module | None = None) -> Callable[..., torch.Tensor]:
     """``forward`` computed in tiles of ``tile_tokens`` rows (see the module): ``kind="dense"`` flattens its first
     argument's leading dimensions into rows; ``"experts"`` tiles every tensor argument that has as many rows as the
-    first along its first dimension. Inputs of one tile or fewer run ``forward`` as it is."""
+    first along its first dimension, each tile called through ``module``'s forward hooks when given (they see the
+    tile's routing, in forward and in its recompute). Inputs of one tile or fewer run ``forward`` as it is."""
+    tile_forward = _through_hooks(module, forward) if module is not None and kind == "experts" else forward
 
     @functools.wraps(forward)
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -104,10 +107,10 @@ def tiled_forward(forward: Callable[..., torch.Tensor], tile_tokens: int, kind: 
             tile_args = [_rows(a, n, part) for a in args]
             tile_kwargs = {k: _rows(v, n, part) for k, v in kwargs.items()}
             if torch.is_grad_enabled():
-                y = torch.utils.checkpoint.checkpoint(forward, rows[part], *tile_args, use_reentrant=False,
+                y = torch.utils.checkpoint.checkpoint(tile_forward, rows[part], *tile_args, use_reentrant=False,
                                                       **tile_kwargs)
             else:
-                y = forward(rows[part], *tile_args, **tile_kwargs)
+                y = tile_forward(rows[part], *tile_args, **tile_kwargs)
             if out is None:
                 out = y.new_empty((n, *y.shape[1:]))
             out[part] = y
@@ -116,6 +119,23 @@ def tiled_forward(forward: Callable[..., torch.Tensor], tile_tokens: int, kind: 
         return out.view(*x.shape[:-1], out.shape[-1]) if kind == "dense" else out
 
     return run
+
+
+def _through_hooks(module: nn.Module, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``forward`` called as ``module(...)``: its forward hooks run for each tile (the tiling wrapper set aside)."""
+
+    def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+        wrapper = module.__dict__.get("forward")
+        module.forward = forward
+        try:
+            return module(*args, **kwargs)
+        finally:
+            if wrapper is None:
+                del module.forward
+            else:
+                module.forward = wrapper
+
+    return call
 
 
 def _rows(value: Any, n: int, part: slice) -> Any:
@@ -138,7 +158,7 @@ def tiled_mlps(model: nn.Module, tile_tokens: int) -> Iterator[list[str]]:
                          "tile")
     before = [(module, module.__dict__.get("forward")) for _, module, _ in targets]
     for _, module, kind in targets:
-        module.forward = tiled_forward(module.forward, tile_tokens, kind)
+        module.forward = tiled_forward(module.forward, tile_tokens, kind, module)
     try:
         yield [name for name, _, _ in targets]
     finally:

@@ -245,3 +245,17 @@ def test_every_family_trains_tiled_as_untiled(family):
     plain, tiled = step(model, 512, None), step(model, 512, TILE)
     assert_same(plain, tiled)
     assert tiled[2] < plain[2]
+
+
+def test_a_qlora_moe_step_tiled_is_estimated(tmp_path):
+    """The estimator's expert routing sees each tile of a QLoRA mixture-of-experts block (the tiles are called
+    through the experts module's hooks, in forward and in their recompute): the tiled step is estimated, lower."""
+    from lightning_memkit.demo.hf_models import tiny_hf_config
+    from lightning_memkit.estimate.hf_run import HFRun
+
+    path = tmp_path / "config.json"
+    path.write_text(tiny_hf_config("qwen3_moe", hidden_size=64, num_layers=2, vocab_size=256).to_json_string())
+    run = HFRun(path, seq_len=1024, batch_size=1, precision="bf16-true", plugin="nf4-lora",
+                allow=("tiled_mlp", "recompute"), device="cpu")
+    plain, tiled = (run.estimate(run.base.replace(recompute="full", tiled_mlp=t)).peak_bytes for t in (False, 64))
+    assert tiled < plain
