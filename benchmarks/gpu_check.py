@@ -50,7 +50,9 @@ CPU_ONLY_BENCHMARKS = {"budget": "the device limit is simulated with LivePeak on
                                     "the CPU whatever the device",
                        "plans_8b": "estimates made on this machine for a CUDA device; no step runs",
                        "recipes": "estimates made on this machine for a CUDA device; no step runs",
-                       "sharding": "estimates for CUDA devices made here, and gloo ranks on CPU (one GPU is lent)"}
+                       "sharding": "estimates for CUDA devices made here, and gloo ranks on CPU (one GPU is lent)",
+                       "long_context": "estimates made on this machine for a CUDA device, and tiny models measured "
+                                       "with LivePeak on CPU"}
 
 
 @dataclass(frozen=True)

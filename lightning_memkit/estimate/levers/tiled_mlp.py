@@ -142,9 +142,9 @@ class TiledMLPLever(SwitchLever):
             return
         found = edit.find(self.callback)
         if found is None:
-            from lightning_memkit.callbacks import TiledMLP
+            from lightning_memkit.common.class_paths import instantiate
 
-            found = TiledMLP()
+            found = instantiate({"class_path": self.callback})
             edit.added.append(found)
         found.tile_tokens = "auto" if choice is True else choice
         edit.change(f"{self.words(choice, base)} ({self.callback.rpartition('.')[2]})")
