@@ -18,17 +18,16 @@ __all__ = ["choose_length", "model_positions"]
 def model_positions(module: Any) -> int | None:
     """The positions ``module``'s model is built for: the first ``config.max_position_embeddings`` among its
     modules (``None``: none says)."""
-    for m in module.modules():
-        n = getattr(getattr(m, "config", None), "max_position_embeddings", None)
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            return n
-    return None
+    from lightning_memkit.estimate.longest import config_positions
+
+    return next((n for m in module.modules() if (n := config_positions(getattr(m, "config", None)))), None)
 
 
 def choose_length(trainer: Any, pl_module: Any, make_run: Callable[[Any], Any], budget_bytes: int, margin: float,
-                  saved: int | None, say: Callable[[str], None], owner: str) -> int | None:
+                  saved: Callable[[], int | None], say: Callable[[str], None], owner: str) -> int | None:
     """The length the data module of ``trainer`` is cut to (set on it), or ``None`` where its length is fixed.
-    ``make_run(batch)``: the run of a planning batch; ``saved``: the length of the checkpoint resumed."""
+    ``make_run(batch)``: the run of a planning batch; ``saved()``: the length of the checkpoint resumed (read only
+    where the length is open)."""
     from lightning_memkit.estimate.longest import longest_sequence
     from lightning_memkit.measure.storage import format_bytes
 
@@ -38,10 +37,11 @@ def choose_length(trainer: Any, pl_module: Any, make_run: Callable[[Any], Any], 
         return None
     positions = model_positions(pl_module)
     most = min(limit, positions) if positions else limit
-    if saved:
-        data.set_max_length(int(saved))
-        say(f"{owner}: max_length='auto': {int(saved):,} tokens per row, as the checkpoint's run chose")
-        return int(saved)
+    resumed = saved()
+    if resumed:
+        data.set_max_length(int(resumed))
+        say(f"{owner}: max_length='auto': {int(resumed):,} tokens per row, as the checkpoint's run chose")
+        return int(resumed)
     tokens, why = None, None
     if trainer.global_rank == 0:
         step = 128 if most <= 16384 else 1024

@@ -244,7 +244,9 @@ class MemoryBudget(Callback):
         (:mod:`~lightning_memkit.callbacks.budget_length`), the checkpoint's length on a resume."""
         from lightning_memkit.callbacks.budget_length import choose_length
 
-        saved = _saved_state(self.resume_from or trainer.ckpt_path, self.state_key).get("max_length")
+        def saved() -> int | None:  # the checkpoint is read only where the data module's length is open
+            return _saved_state(self.resume_from or trainer.ckpt_path, self.state_key).get("max_length")
+
         def run(batch: Any) -> Any:
             return self._run(trainer, pl_module, batch, self.allow, quiet=True)
 

@@ -154,5 +154,11 @@ def _between(good: int, bad: int, peaks: dict[int, int], target: float, granular
 
 
 def _position_limit(run: Any) -> int | None:
-    limit = getattr(getattr(run, "config", None), "max_position_embeddings", None)
+    return config_positions(getattr(run, "config", None))
+
+
+def config_positions(config: Any) -> int | None:
+    """``config.max_position_embeddings`` where it is a positive int (the positions a model is built for), else
+    ``None``."""
+    limit = getattr(config, "max_position_embeddings", None)
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
