@@ -75,7 +75,7 @@ class PlanResult:
         """A LightningCLI YAML fragment to pass after the run's own config (``--config base.yaml --config this``)."""
         import yaml
 
-        per = " per rank" if self.plan["stages"] > 1 or getattr(self.run, "devices", 1) > 1 else ""
+        per = " per rank" if self.plan.devices() > 1 or getattr(self.run, "devices", 1) > 1 else ""
         host = f" and {format_bytes(self.host_bytes)} of host memory{per}" if self.host_bytes else ""
         head = (f"# {self.plan.describe(self.run.base)}: predicted peak {format_bytes(self.peak_bytes)}"
                 f"{per}{host}, step time {self.overhead:+.0%} "
@@ -258,7 +258,7 @@ class _Search:
         est = self.run.estimate(plan)
         self.estimated += 1
         # pipeline stages: the single-device step of the same features, split over the stages
-        traced = single_cost if plan["stages"] > 1 else step_cost(est, self.machine, self.run.compute_dtype(plan))
+        traced = single_cost if plan.devices() > 1 else step_cost(est, self.machine, self.run.compute_dtype(plan))
         cost = plan.scale_cost(self.run.base, traced, self.run, est, self.machine)
         self.base_cost = self.base_cost or cost.seconds
         result = PlanResult(plan, est.peak_bytes, cost.seconds / self.base_cost - 1, self.fits(est), self.run,
@@ -294,13 +294,13 @@ def _ranked(fitting: list[PlanResult], base: Plan) -> list[PlanResult]:
     :meth:`~lightning_memkit.estimate.levers.plan.Plan.search_order`), then their predicted cost and strength; at
     the same predicted cost a free lever that cuts nothing does not come first."""
     def cost(r: PlanResult) -> tuple:
-        return r.plan["stages"], round(r.overhead, 6), r.plan.changes(base), -sum(r.plan.strength())
+        return r.plan.devices(), round(r.overhead, 6), r.plan.changes(base), -sum(r.plan.strength())
 
     ordered = sorted(fitting, key=cost)
     if not ordered:
         return ordered
     best = ordered[0]
-    tied = [r for r in ordered if r.plan["stages"] == best.plan["stages"]
+    tied = [r for r in ordered if r.plan.devices() == best.plan.devices()
             and 1 + r.overhead <= (1 + best.overhead) * (1 + TIE)]
     tied.sort(key=lambda r: (r.plan.changes(base), r.plan.search_order(base), *cost(r)[1:]))
     return tied + [r for r in ordered if r not in tied]

@@ -42,8 +42,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memkit.common.validation import check_int
+from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
 
 __all__ = ["default_tile_tokens", "mlp_targets", "tiled_forward", "tiled_mlps"]
 
@@ -88,37 +90,162 @@ def default_tile_tokens(model: nn.Module) -> int:
 
 
 def tiled_forward(forward: Callable[..., torch.Tensor], tile_tokens: int, kind: str,
-                  module: nn.Module | None = None) -> Callable[..., torch.Tensor]:
-    """``forward`` computed in tiles of ``tile_tokens`` rows (see the module): ``kind="dense"`` flattens its first
-    argument's leading dimensions into rows; ``"experts"`` tiles every tensor argument that has as many rows as the
-    first along its first dimension, each tile called through ``module``'s forward hooks when given (they see the
-    tile's routing, in forward and in its recompute). Inputs of one tile or fewer run ``forward`` as it is."""
-    tile_forward = _through_hooks(module, forward) if module is not None and kind == "experts" else forward
+                  module: nn.Module) -> Callable[..., torch.Tensor]:
+    """``forward`` (``module``'s) computed in tiles of ``tile_tokens`` rows (see the module): ``kind="dense"``
+    flattens its first argument's leading dimensions into rows; ``"experts"`` tiles every tensor argument that has as
+    many rows as the first along its first dimension, each tile called through ``module``'s forward hooks (they see
+    the tile's routing, in forward and in its recompute). Inputs of one tile or fewer run ``forward`` as it is. The
+    gradients of ``module``'s trainable parameters are summed over the tiles and given to autograd once."""
+    tile_forward = _through_hooks(module, forward) if kind == "experts" else forward
 
     @functools.wraps(forward)
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]) if kind == "dense" else x
-        n = rows.shape[0]
-        if n <= tile_tokens:
+        if rows.shape[0] <= tile_tokens:
             return forward(x, *args, **kwargs)
-        out: torch.Tensor | None = None
-        for start in range(0, n, tile_tokens):
-            part = slice(start, min(start + tile_tokens, n))
-            tile_args = [_rows(a, n, part) for a in args]
-            tile_kwargs = {k: _rows(v, n, part) for k, v in kwargs.items()}
-            if torch.is_grad_enabled():
-                y = torch.utils.checkpoint.checkpoint(tile_forward, rows[part], *tile_args, use_reentrant=False,
-                                                      **tile_kwargs)
-            else:
-                y = tile_forward(rows[part], *tile_args, **tile_kwargs)
-            if out is None:
-                out = y.new_empty((n, *y.shape[1:]))
-            out[part] = y
-            del y
-        assert out is not None
+        tiles = _Tiles(tile_forward, tile_tokens, [rows, *args], kwargs, module)
+        tensors = [v for v in (rows, *args, *kwargs.values()) if torch.is_tensor(v)]
+        out = _TiledFunction.apply(tiles, *tensors, *(tiles.params() if torch.is_grad_enabled() else ()))
         return out.view(*x.shape[:-1], out.shape[-1]) if kind == "dense" else out
 
     return run
+
+
+class _Tiles:
+    """One tiled call of ``module``'s: the call, its arguments with their tensors taken out (none is kept here:
+    autograd's saved tensors hold them, where recomputation and offload see them; :meth:`call` puts them back, a
+    tile of its rows where they have one per row), the rows and the tile."""
+
+    def __init__(self, call: Callable[..., torch.Tensor], tile: int, args: list[Any], kwargs: dict[str, Any],
+                 module: nn.Module) -> None:
+        self.fn, self.tile, self.module, self.names = call, tile, module, list(kwargs)
+        values = [*args, *kwargs.values()]
+        self.nargs, self.rows = len(args), args[0].shape[0]
+        self.slots = [i for i, v in enumerate(values) if torch.is_tensor(v)]
+        self.values = [None if torch.is_tensor(v) else v for v in values]
+
+    def params(self) -> list[torch.Tensor]:
+        """The module's trainable parameters (those its gradients are summed for)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def per_row(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` has one row per token (it is tiled)."""
+        return t.dim() > 0 and t.shape[0] == self.rows
+
+    def part(self, start: int) -> slice:
+        return slice(start, min(start + self.tile, self.rows))
+
+    def call(self, tensors: list[torch.Tensor], part: slice | None = None) -> torch.Tensor:
+        """The call on ``tensors`` (the call's tensors, in order), each cut to ``part`` where it has one row per token
+        (``None``: as they are)."""
+        values = list(self.values)
+        for i, t in zip(self.slots, tensors, strict=True):
+            values[i] = t[part] if part is not None and self.per_row(t) else t
+        return self.fn(*values[:self.nargs], **dict(zip(self.names, values[self.nargs:], strict=True)))
+
+
+class _TiledFunction(torch.autograd.Function):
+    """The tiles' outputs in one tensor. Forward keeps the tiled call's inputs (the rows: a view), nothing of a
+    tile; backward computes each tile again and its gradients (the tile's inputs' into their rows, the trainable
+    parameters' summed over the tiles), with the random and autocast state forward had. On fake tensors (an
+    estimate) one tile stands for the alike ones (:mod:`~lightning_memkit.measure.fake_repeat`): in backward the
+    last full tile runs apart, so a sum that is added to (not made) stands in the trace as in the run."""
+
+    @staticmethod
+    def forward(ctx, tiles: _Tiles, *tensors: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        inputs = tensors[:len(tiles.slots)]
+        ctx.tiles, ctx.state, ctx.params = tiles, _State(inputs[0]), len(tensors) - len(inputs)
+        ctx.save_for_backward(*inputs)
+        out: torch.Tensor | None = None
+        for start, count in alike_runs(tiles.rows, tiles.tile, _estimating(inputs[0])):
+            part = tiles.part(start)
+            with stands_for(count):
+                y = tiles.call(list(inputs), part)
+                if out is None:
+                    out = y.new_empty((tiles.rows, *y.shape[1:]))
+                out[part] = y
+            del y
+        assert out is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
+        tiles, inputs = ctx.tiles, ctx.saved_tensors
+        need = ctx.needs_input_grad[1:1 + len(inputs)]
+        params = tiles.params() if ctx.params else []
+        if len(params) != ctx.params:  # their gradients are given back in forward's order
+            raise RuntimeError(f"{_OWNER}: {type(tiles.module).__name__}'s trainable parameters changed between "
+                               "its forward and its backward")
+        grads = [(torch.zeros_like(t) if n else None) for t, n in zip(inputs, need, strict=True)]
+        summed: list[torch.Tensor | None] = [None] * len(params)
+        with ctx.state.replayed():
+            for start, count in _summing_runs(tiles.rows, tiles.tile, _estimating(grad)):
+                part = tiles.part(start)
+                with stands_for(count):
+                    _tile_backward(tiles, inputs, need, params, grad[part], part, grads, summed)
+        return (None, *grads, *summed)
+
+
+def _tile_backward(tiles: _Tiles, inputs: tuple[torch.Tensor, ...], need: tuple[bool, ...], params: list[Any],
+                   grad: torch.Tensor, part: slice, grads: list[Any], summed: list[Any]) -> None:
+    """One tile computed again and its gradients: its inputs' written into ``grads`` (their rows of it, or added
+    where an input is not per row), the parameters' added to ``summed`` (the first tile's taken as they are)."""
+    tile_in = [(t[part] if tiles.per_row(t) else t).detach().requires_grad_(n) for t, n in zip(inputs, need,
+                                                                                             strict=True)]
+    with torch.enable_grad():
+        y = tiles.call(tile_in)
+    wanted = [t for t, n in zip(tile_in, need, strict=True) if n] + params
+    got = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
+    del y
+    for i, t in enumerate(inputs):
+        g = next(got) if need[i] else None
+        if g is not None:
+            if tiles.per_row(t):
+                grads[i][part] = g
+            else:
+                grads[i] += g
+    for j, g in enumerate(got):
+        if g is not None:
+            summed[j] = g if summed[j] is None else summed[j].add_(g)
+
+
+def _summing_runs(stop: int, step: int, fake: bool) -> list[tuple[int, int]]:
+    """:func:`~lightning_memkit.measure.fake_repeat.alike_runs`, with the last full step of a standing run apart
+    (the first tile makes the parameters' sums, every later one adds to them: the trace needs one of each)."""
+    runs = alike_runs(stop, step, fake)
+    if runs and runs[0][1] > 1:
+        count = runs[0][1]
+        runs[:1] = [(0, count - 1), ((count - 1) * step, 1)]
+    return runs
+
+
+class _State:
+    """The random generators' and autocast's state when a tiled forward began, put back for its backward (an MLP
+    with dropout draws the same masks again); nothing of the generators on fake tensors (an estimate)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.types = sorted({x.device.type, "cpu"})
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in self.types]
+        self.device = x.device if x.device.type == "cuda" else None
+        self.rng = None if _estimating(x) else (torch.get_rng_state(),
+                                                torch.cuda.get_rng_state(x.device) if self.device else None)
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.rng is not None:
+                stack.enter_context(torch.random.fork_rng(devices=[self.device] if self.device else []))
+                torch.set_rng_state(self.rng[0])
+                if self.device is not None:
+                    torch.cuda.set_rng_state(self.rng[1], self.device)
+            for device, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            yield
+
+
+def _estimating(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a fake tensor of a memory estimate (not one that ``torch.compile`` traces with)."""
+    return not torch.compiler.is_compiling() and is_fake(x)
 
 
 def _through_hooks(module: nn.Module, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -76,6 +77,11 @@ class Plan(Mapping[str, Any]):
     def uses_host(self) -> bool:
         """Whether a lever's choice keeps bytes in host memory (``host_choices``)."""
         return any(v in x.host_choices for x, v in zip(LEVERS, self._values, strict=True))
+
+    def devices(self) -> int:
+        """The devices the plan's choices need (:meth:`~lightning_memkit.estimate.levers.base.Lever.devices`: the
+        scale levers'; 1 when none adds a device)."""
+        return math.prod(x.devices(v) for x, v in zip(LEVERS, self._values, strict=True))
 
     def at_most(self, other: Plan) -> bool:
         """Whether every lever of this plan lowers memory no more than ``other``'s does."""
