@@ -121,7 +121,10 @@ class TextDataModule(pl.LightningDataModule):
         training share's tokens over one batch; else the longest document), else ``None``."""
         if self.max_length is not None or self._documents is None:
             return None
-        lengths = [len(ids) for ids in self._documents["input_ids"]]
+        import pyarrow.compute as pc
+
+        # each document's length from its Arrow list offsets: no token id read into Python
+        lengths = pc.list_value_length(self._documents.with_format("arrow")["input_ids"]).to_pylist()
         if not self.hparams.packing:
             return max(lengths)
         chunks = [sum(lengths[i:i + _PACKED]) for i in range(0, len(lengths), _PACKED)]
