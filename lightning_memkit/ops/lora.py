@@ -120,8 +120,9 @@ class _LowRankUpdate(torch.autograd.Function):
 def low_rank_update(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """``x @ a @ b * scaling`` formed in float32 and rounded once to ``x``'s dtype (peft's adapter numerics).
 
-    ``a`` is ``(in_features, rank)`` and ``b`` ``(rank, out_features)``, float32. Autograd keeps ``x`` in its
-    own dtype and the float32 ``(..., rank)`` product: a bf16 input costs no more than before it was widened.
+    ``a`` is ``(in_features, rank)`` and ``b`` ``(rank, out_features)``, float32 (another dtype, such as FSDP2's
+    bf16 ``MixedPrecisionPolicy`` copies, is widened first; their gradients go back in it). Autograd keeps ``x`` in
+    its own dtype and the float32 ``(..., rank)`` product: a bf16 input costs no more than before it was widened.
 
     Example::
 
@@ -131,7 +132,7 @@ def low_rank_update(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
         >>> out.dtype, torch.equal(out, (x.float() @ a @ b * 0.5).bfloat16())
         (torch.bfloat16, True)
     """
-    return _LowRankUpdate.apply(x, a, b, scaling)
+    return _LowRankUpdate.apply(x, a.float(), b.float(), scaling)
 
 
 class LoRAAdapter(nn.Module):

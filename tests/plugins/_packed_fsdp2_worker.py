@@ -154,16 +154,25 @@ def run_case(mode: str, adapters: str, rank: int, world: int, out: Path) -> dict
 
 
 def mixed_precision() -> dict:
-    """nf4 (no adapters: the plugin's own compute in float32) under ``MixedPrecisionPolicy(param_dtype=bfloat16)``:
-    the byte parameters are gathered uncast."""
+    """nf4 under ``MixedPrecisionPolicy(param_dtype=bfloat16)``: the byte parameters are gathered uncast (no
+    adapters: the plugin's own compute in float32); the plugin's own adapters, gathered in bf16, train (widened to
+    float32 in their update, their gradients float32 shards as the parameters)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     before = packed_bytes(build("nf4", "none"))
-    model = shard(build("nf4", "none"), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model = shard(build("nf4", "none"), mp_policy=policy)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss
-    return {"bytes_equal": _equal(gathered_in_forward(model), before), "finite": bool(torch.isfinite(loss))}
+    adapted = shard(build("nf4", "own"), mp_policy=policy)
+    trained = adapted(input_ids=ids, labels=ids).loss
+    trained.backward()
+    grads = [p.grad for p in adapted.parameters() if p.requires_grad]
+    return {"bytes_equal": _equal(gathered_in_forward(model), before), "finite": bool(torch.isfinite(loss)),
+            "adapters_train": bool(torch.isfinite(trained)) and bool(grads)
+            and all(g is not None and g.dtype == torch.float32 and bool(torch.isfinite(g.full_tensor()).all())
+                    for g in grads)}
 
 
 def _full():
