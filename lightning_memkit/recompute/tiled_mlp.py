@@ -3,10 +3,11 @@
 forward or in backward (as Arctic Long Sequence Training's and Liger-Kernel's ``TiledMLP`` do).
 
 An MLP is row-wise: each token's output depends on that token's input only. :func:`tiled_mlps` makes each target
-split its input rows into tiles of ``tile_tokens``, run each tile under a non-reentrant checkpoint (forward keeps
-only the tile's input, a view of the whole input; backward recomputes one tile at a time) and write the tile's
-output into one output tensor. The parameters' gradients are summed over the tiles by autograd (one
-accumulation each, so DDP and FSDP2 hooks fire once).
+split its input rows into tiles of ``tile_tokens`` and run them in one autograd function: forward computes the tiles
+without autograd into one output tensor and keeps only the input (a view, saved as autograd saves tensors, so a
+recomputed layer drops it and activation offload moves it); backward computes one tile at a time again, writes its
+input's gradient into its rows and sums the parameters' gradients over the tiles, which autograd receives once (so
+DDP's and FSDP2's hooks fire once). On an estimate's fake tensors one tile stands for the alike ones.
 
 Targets (:func:`mlp_targets`), per repeated block (a transformers model's decoder layers) with an ``mlp``:
 
