@@ -2,10 +2,9 @@
 TiledMLP`), its ``tokens x intermediate`` activations never whole; the same math. A choice is the tile in tokens: four
 times the model's hidden size or the hidden size (ALST's and Liger's default), the larger tried first (fewer, larger
 matrix products: the least work), so a plan takes the larger tile where its budget allows. (A smaller tile lowers a
-tile's intermediate below the MLP's weights, where the peak rarely is, and each tile is traced: an estimate of 131,072
-tokens of Llama-3.1-8B takes 18 s in tiles of 4,096, 48 s in tiles of 1,024.) Its cost
-is the MLP's forward once more in backward (each tile recomputed), which the fake step's traced FLOPs carry. Opt-in:
-named in ``allow`` (``memkit estimate --allow tiled_mlp``, ``MemoryBudget(allow=[...])``).
+tile's intermediate below the MLP's weights, where the peak rarely is.) Its cost is the MLP's forward once more in
+backward (each tile recomputed), which the fake step's FLOPs carry (one traced tile standing for the alike ones).
+Opt-in: named in ``allow`` (``memkit estimate --allow tiled_mlp``, ``MemoryBudget(allow=[...])``).
 
     >>> from lightning_memkit.estimate.levers.tiled_mlp import TILED_MLP, tile_choices
     >>> tile_choices(4096, seq_len=100_000), tile_choices(64, seq_len=128)
