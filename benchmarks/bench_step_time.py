@@ -97,7 +97,7 @@ def _predicted(run: ModuleRun, plan: Plan, machine: Any) -> float:
 def run(device: str = "cpu", quick: bool = False) -> list[dict]:
     shape = _shape(quick)
     batch = _batch(shape)
-    machine = probe_machine(device)
+    machine = probe_machine(device, cache=False)  # this machine now, not a balance cached while it was busy
     model = _model(shape)
     run_ = ModuleRun(model, batch, allow=("recompute", "offload_activations", "fused_loss"), target=device)
     base = run_.base
