@@ -163,6 +163,47 @@ def test_a_tiled_estimate_predicts_the_measured_peak(family, features):
     assert abs(result["predicted"] - result["measured"]) <= 8, result
 
 
+def test_an_mlp_with_dropout_draws_the_same_masks_in_its_recompute():
+    """Each tile is computed again in backward with the random state forward had: with dropout in the MLP (training
+    mode) the tiled gradients are the untiled ones, and the generator ends where the untiled run leaves it."""
+    from torch import nn
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.drop, self.down = nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return self.down(self.drop(torch.relu(self.up(x))))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP()
+
+        def forward(self, x):
+            return x + self.mlp(x)
+
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    net.layers = nn.ModuleList([Block(), Block()])
+    net.forward = lambda x: net.layers[1](net.layers[0](x))
+    x = torch.randn(2, 100, 16)
+
+    def run(tile):
+        net.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with tiled_mlps(net, tile) if tile else _nothing():
+            loss = net(x).pow(2).mean()
+            loss.backward()
+        return loss.detach(), {n: p.grad for n, p in net.named_parameters()}, torch.rand(1)
+
+    (plain, grads, after), (tiled, tiled_grads, tiled_after) = run(None), run(32)
+    assert torch.equal(plain, tiled) and torch.equal(after, tiled_after)
+    for name, grad in grads.items():
+        torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_bad_tiles_and_models_without_an_mlp_are_refused():
     from lightning_memkit.callbacks import TiledMLP
 
