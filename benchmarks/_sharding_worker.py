@@ -3,7 +3,8 @@ case of ``benchmarks.sharding_cases`` built as the estimate builds it, sharded o
 shards it, four AdamW steps in Lightning's order; the per-phase live-byte peaks of a steady step (the median of steps 2
 to 4 per phase: a gloo worker thread that frees a collective's buffer a moment early or late moves one step's peak by a
 unit's bytes; ``LivePeak`` from before the model is built, FSDP2's resizes counted) and its host peak written to
-``OUT/rank{r}.json``; the Llama cases again with FSDP2's CPU offload, its host bytes placed as on a GPU.
+``OUT/rank{r}.json``; the Llama cases again with FSDP2's CPU offload, its host bytes placed as on a GPU; the Llama and
+the Qwen3-MoE again with their MLPs tiled (``tiled_mlps``, as the ``TiledMLP`` callback runs them).
 
     LOCAL_RANK=r WORLD_SIZE=N MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m benchmarks._sharding_worker OUT
 """
@@ -24,6 +25,7 @@ from benchmarks import sharding_cases as fsdp2_cases  # noqa: E402
 from lightning_memkit.estimate.levers.sharding import shard_transform  # noqa: E402
 from lightning_memkit.estimate.step import build_model, default_dtype, precision_dtype  # noqa: E402
 from lightning_memkit.memory import LivePeak  # noqa: E402
+from lightning_memkit.recompute.tiled_mlp import tiled_mlps  # noqa: E402
 from lightning_memkit.sharding import visible_resizes  # noqa: E402
 from lightning_memkit.sharding.offload import offloaded_like_a_gpu_run, steps_on_host  # noqa: E402
 
@@ -79,6 +81,13 @@ def main(out: Path) -> None:
             model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh, offload=True)
             with offloaded_like_a_gpu_run(model):
                 results[f"{case} offloaded"] = steady_step(model, live, precision, offload=True)
+            del model
+    for case in fsdp2_cases.TILED:
+        precision = fsdp2_cases.CASES[case][1]
+        with visible_resizes(), LivePeak() as live:
+            model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh)
+            with tiled_mlps(model, fsdp2_cases.TILE):
+                results[f"{case} tiled"] = steady_step(model, live, precision)
             del model
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

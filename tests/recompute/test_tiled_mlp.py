@@ -308,6 +308,21 @@ def test_the_planner_takes_the_largest_tile_the_budget_allows(tmp_path):
         assert plan["tiled_mlp"] == tile, plan
 
 
+def test_the_tiled_mlp_is_planned_with_sharding(tmp_path):
+    """Tiles run inside FSDP2's units (checked against gloo ranks in tests/sharding/test_fsdp2_estimate.py): a run
+    on 2 devices tries sharded plans with tiled MLPs."""
+    from lightning_memkit.demo.hf_models import tiny_hf_config
+    from lightning_memkit.estimate.hf_run import HFRun
+    from lightning_memkit.estimate.levers.sharding import SHARDING
+    from lightning_memkit.estimate.levers.tiled_mlp import TILED_MLP
+
+    path = tmp_path / "config.json"
+    path.write_text(tiny_hf_config("llama", hidden_size=64, num_layers=2, vocab_size=256).to_json_string())
+    run = HFRun(path, seq_len=1024, batch_size=1, allow=("tiled_mlp", "sharding"), device="cpu", devices=2)
+    plan = run.base.replace(sharding="full_shard", tiled_mlp=64)
+    assert TILED_MLP.runs_sharded and not SHARDING.conflicts(plan, run)
+
+
 def test_memory_budget_pulls_the_tiled_mlp_when_allowed():
     """``MemoryBudget(allow=["tiled_mlp"])`` at a budget the untiled run exceeds: it adds ``TiledMLP`` and the fit
     stays within the budget and its prediction (the module's weights, built before the measurement, not counted

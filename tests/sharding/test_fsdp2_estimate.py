@@ -1,6 +1,6 @@
 """A rank's step under FSDP2, estimated in one process on fake tensors under a fake process group, against the same
 step run on 2 and 4 gloo ranks (per-rank live bytes, exact on CPU): a dense Llama in bf16, a Qwen3-MoE, a Llama
-wrapped by peft."""
+wrapped by peft; offloaded; with tiled MLPs."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def test_the_estimate_of_a_rank_matches_the_gloo_ranks(tmp_path, world):
         for phase in PHASES:
             assert est[phase] == pytest.approx(measured[0][f"{case} offloaded"][phase], rel=0.05), (case, phase)
         assert offloaded.host_bytes == pytest.approx(measured[0][f"{case} offloaded"]["host"], rel=0.05), case
+    for case in fsdp2_cases.TILED:  # the MLPs in tiles inside the FSDP2 units: lower, and as estimated
+        est = {p.phase: p.peak_bytes for p in estimate(case, world, tiled=True).phases}
+        for phase in PHASES:
+            assert est[phase] == pytest.approx(measured[0][f"{case} tiled"][phase], rel=0.05), (case, phase)
+        assert measured[0][f"{case} tiled"]["backward"] < measured[0][case]["backward"], case
 
 
 def largest_unit_gradients(case: str) -> int:

@@ -4,14 +4,14 @@ step, the strategy, the parameters' type and the state dict gathered whole, writ
 
     LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _fsdp2_strategy_worker.py OUT [keep] [features]
 
-``keep``: ``reshard_after_forward=False``; ``features``: with ``fsdp2_data.features()`` (activation checkpointing, the
-fused loss); ``moe``: a Qwen3-MoE (its router aux loss on) instead of the Llama, fit with DDP too (``ddp``: its
-losses; each rank's aux loss is its own batch's, so DDP, not one process, is the reference); ``nf4``: the QLoRA
-plugin (``fsdp2_data.plugins()``: nf4, LoRA rank 8, float32 compute), its adapters exported at the end of the fit
-(``ExportAdapters`` to ``OUT/adapters``); ``peft``: the model wrapped by peft, its adapters the ones trained;
-``resume``: the
-fit stopped after its second step with a checkpoint (each rank its shards, ``torch.distributed.checkpoint``), then a
-new Trainer resumed from it for the last step (``resumed``: that step's loss).
+``keep``: ``reshard_after_forward=False``; ``features``: with ``fsdp2_data.features()`` (activation checkpointing,
+the fused loss, the tiled MLP); ``moe``: a Qwen3-MoE (its router aux loss on) instead of the Llama, fit with DDP too
+(``ddp``: its losses; each rank's aux loss is its own batch's, so DDP, not one process, is the reference); ``nf4``:
+the QLoRA plugin (``fsdp2_data.plugins()``: nf4, LoRA rank 8, float32 compute), its adapters exported at the end of
+the fit (``ExportAdapters`` to ``OUT/adapters``); ``peft``: the model wrapped by peft, its adapters the ones trained;
+``resume``: the fit stopped after its second step with a checkpoint (each rank its shards,
+``torch.distributed.checkpoint``), then a new Trainer resumed from it for the last step (``resumed``: that step's
+loss).
 """
 
 from __future__ import annotations

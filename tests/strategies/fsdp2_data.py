@@ -40,10 +40,11 @@ def module(family: str = "llama", peft: bool = False):
 
 
 def features() -> list:
-    """Callbacks that run inside the FSDP2 units: every decoder layer recomputed, the loss fused with the head."""
-    from lightning_memkit.callbacks import ActivationCheckpointing, FusedLinearCrossEntropy
+    """Callbacks that run inside the FSDP2 units: every decoder layer recomputed, the loss fused with the head, the
+    MLPs in tiles of 16 tokens."""
+    from lightning_memkit.callbacks import ActivationCheckpointing, FusedLinearCrossEntropy, TiledMLP
 
-    return [ActivationCheckpointing(), FusedLinearCrossEntropy()]
+    return [ActivationCheckpointing(), FusedLinearCrossEntropy(), TiledMLP(tile_tokens=16)]
 
 
 def plugins(peft: bool = False) -> list:

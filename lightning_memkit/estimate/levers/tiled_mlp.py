@@ -81,7 +81,6 @@ class TiledMLPLever(SwitchLever):
     name, kind, keeps_math, opt_in = "tiled_mlp", "work", True, True
     callback = "lightning_memkit.callbacks.TiledMLP"
     label = "tiled MLP"
-    runs_sharded = False  # not checked inside FSDP2 units yet
 
     def strength(self, choice: Any) -> int:
         """Off: 0; a tile: more the fewer its tokens (``"auto"``, the hidden size, between 4 and 1 times)."""
