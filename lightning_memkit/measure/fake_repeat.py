@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["alike_runs", "allocation_factor", "repeat_factor", "stands_for"]
+__all__ = ["alike_runs", "allocation_factor", "estimating", "repeat_factor", "stands_for"]
 
 _FACTOR = [1]
 _ALLOCATIONS = [1]
@@ -61,6 +62,15 @@ def _standing(count: int, allocations: int) -> Iterator[None]:
         yield
     finally:
         _FACTOR[0], _ALLOCATIONS[0] = before
+
+
+def estimating(x: Any) -> bool:
+    """Whether ``x`` is a fake tensor of a memory estimate (not one ``torch.compile`` traces with): a loop over it
+    may run its alike iterations once (:func:`alike_runs`)."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not torch.compiler.is_compiling() and is_fake(x)
 
 
 def alike_runs(stop: int, step: int, fake: bool) -> list[tuple[int, int]]:

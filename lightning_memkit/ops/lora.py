@@ -31,10 +31,9 @@ import math
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memkit.common.validation import check_int, check_number
-from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
+from lightning_memkit.measure.fake_repeat import alike_runs, estimating, stands_for
 
 __all__ = ["LoRAAdapter", "ExpertLoRAAdapter", "check_lora_args", "freeze_base_", "low_rank_update"]
 
@@ -52,11 +51,6 @@ WIDE_SLICE_BYTES = 32 * 2**20  # float32 rows of the input, the update or their 
 def _slice_rows(*widths: int) -> int:
     """Rows per slice: their float32 values at the widest of ``widths`` fit :data:`WIDE_SLICE_BYTES`."""
     return max(1, WIDE_SLICE_BYTES // (4 * max(1, *widths)))
-
-
-def _estimating(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a fake tensor of a memory estimate (not one that ``torch.compile`` traces with)."""
-    return not torch.compiler.is_compiling() and is_fake(x)
 
 
 def _joined(slices: list[torch.Tensor], like: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -81,7 +75,7 @@ class _LowRankUpdate(torch.autograd.Function):
             hs.append(rows[i:i + step].float() @ a)
             outs.append(((hs[-1] @ b) * scaling).to(x.dtype))
 
-        for i, count in alike_runs(rows.shape[0], step, _estimating(x)):
+        for i, count in alike_runs(rows.shape[0], step, estimating(x)):
             if count > 1:  # fake tensors: the first count - 1 slices' kept rows as one block each, their ops run once
                 with stands_for(1, allocations=0):  # their bytes are counted by the piece standing for them
                     kept = (rows.new_empty((count - 1) * step, a.shape[1], dtype=torch.float32),
@@ -104,7 +98,7 @@ class _LowRankUpdate(torch.autograd.Function):
         grad_a = torch.zeros_like(a) if need_a else None
         grad_b = torch.zeros_like(b) if need_b else None
         step = _slice_rows(a.shape[0], b.shape[1])
-        for i, count in alike_runs(rows.shape[0], step, _estimating(x)):  # fake: one slice stands for alike ones
+        for i, count in alike_runs(rows.shape[0], step, estimating(x)):  # fake: one slice stands for alike ones
             with stands_for(count):
                 g = grad[i:i + step].to(torch.float32, copy=True).mul_(ctx.scaling)  # never the caller's gradient
                 gh = g @ b.mT

@@ -37,7 +37,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memkit.common.validation import check_bool, check_choice, check_int
-from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
+from lightning_memkit.measure.fake_repeat import alike_runs, estimating, stands_for
 from lightning_memkit.ops.nosave_matmul import (
     FLOAT_DTYPES,
     NoSave4bitLinearFunction,
@@ -150,7 +150,7 @@ class QuantizedExperts(nn.Module):
         out_f, in_f = (cols, rows) if transposed else (rows, cols)
         experts = cls(e, in_f, out_f, mode, compute_dtype=compute_dtype, blocksize=blocksize, device=weight.device)
         with torch.no_grad():
-            for i, count in alike_runs(e, 1, not torch.compiler.is_compiling() and is_fake(weight)):
+            for i, count in alike_runs(e, 1, estimating(weight)):
                 w = weight[i].t() if transposed else weight[i]
                 with stands_for(count):
                     experts._store(i, w.detach().to(torch.float32).contiguous())

@@ -46,10 +46,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
-from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
+from lightning_memkit.measure.fake_repeat import alike_runs, estimating, stands_for
 
 __all__ = [
     "nosave_linear",
@@ -285,7 +284,7 @@ def _grad_input_4bit(meta: Packed4bit, tensors: tuple, grad: torch.Tensor) -> to
     grad2 = grad.reshape(-1, out_features)
     grad_x = torch.zeros(grad2.shape[0], in_features, dtype=grad.dtype, device=grad.device)
     # fake tensors (an estimate): the slices of full rows are alike, one stands for them all (fake_repeat)
-    fake = not torch.compiler.is_compiling() and is_fake(grad)
+    fake = estimating(grad)
     for r0, count in alike_runs(out_features, rows, fake):
         r1 = min(out_features, r0 + rows)
         e0, e1 = r0 * in_features, r1 * in_features

@@ -43,10 +43,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memkit.common.validation import check_int
-from lightning_memkit.measure.fake_repeat import alike_runs, stands_for
+from lightning_memkit.measure.fake_repeat import alike_runs, estimating, stands_for
 
 __all__ = ["default_tile_tokens", "mlp_targets", "tiled_forward", "tiled_mlps"]
 
@@ -158,7 +157,7 @@ class _TiledFunction(torch.autograd.Function):
         ctx.tiles, ctx.state, ctx.params = tiles, _State(inputs[0]), len(tensors) - len(inputs)
         ctx.save_for_backward(*inputs)
         out: torch.Tensor | None = None
-        for start, count in alike_runs(tiles.rows, tiles.tile, _estimating(inputs[0])):
+        for start, count in alike_runs(tiles.rows, tiles.tile, estimating(inputs[0])):
             part = tiles.part(start)
             with stands_for(count):
                 y = tiles.call(list(inputs), part)
@@ -180,7 +179,7 @@ class _TiledFunction(torch.autograd.Function):
         grads = [(torch.zeros_like(t) if n else None) for t, n in zip(inputs, need, strict=True)]
         summed: list[torch.Tensor | None] = [None] * len(params)
         with ctx.state.replayed():
-            for start, count in _summing_runs(tiles.rows, tiles.tile, _estimating(grad)):
+            for start, count in _summing_runs(tiles.rows, tiles.tile, estimating(grad)):
                 part = tiles.part(start)
                 with stands_for(count):
                     _tile_backward(tiles, inputs, need, params, grad[part], part, grads, summed)
@@ -225,10 +224,10 @@ class _State:
     with dropout draws the same masks again); nothing of the generators on fake tensors (an estimate)."""
 
     def __init__(self, x: torch.Tensor) -> None:
-        self.types = sorted({x.device.type, "cpu"})
-        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in self.types]
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in sorted({x.device.type, "cpu"})]
         self.device = x.device if x.device.type == "cuda" else None
-        self.rng = None if _estimating(x) else (torch.get_rng_state(),
+        self.rng = None if estimating(x) else (torch.get_rng_state(),
                                                 torch.cuda.get_rng_state(x.device) if self.device else None)
 
     @contextlib.contextmanager
@@ -242,11 +241,6 @@ class _State:
             for device, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             yield
-
-
-def _estimating(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a fake tensor of a memory estimate (not one that ``torch.compile`` traces with)."""
-    return not torch.compiler.is_compiling() and is_fake(x)
 
 
 def _through_hooks(module: nn.Module, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -264,11 +258,6 @@ def _through_hooks(module: nn.Module, forward: Callable[..., torch.Tensor]) -> C
                 module.forward = wrapper
 
     return call
-
-
-def _rows(value: Any, n: int, part: slice) -> Any:
-    """``value[part]`` for a tensor of ``n`` rows (a per-token argument), else ``value``."""
-    return value[part] if torch.is_tensor(value) and value.dim() and value.shape[0] == n else value
 
 
 @contextlib.contextmanager
