@@ -90,6 +90,7 @@ def _fit(files, budget, max_steps, dirpath, ckpt_path=None):
     return rows, planner, trainer, data, live.peak_bytes
 
 
+@pytest.mark.slow  # the fast suite runs the same fit in docs/long_context.md's example
 def test_memory_budget_trains_at_the_longest_length_that_fits(files, tmp_path, caplog):
     """At 24 MiB the tiny Llama's longest length is below what the data and the model allow: the fit trains at it
     (every row), says it, stays within the budget; its strongest plan fits there and not 128 tokens further."""
