@@ -26,6 +26,7 @@ def features(names: str) -> tuple[list, list]:
         OffloadOptimizer,
         Optimizer8bit,
         OptimizerInBackward,
+        TiledMLP,
     )
     from lightning_memkit.plugins import NoSaveBitsandbytesPrecision
 
@@ -38,6 +39,7 @@ def features(names: str) -> tuple[list, list]:
         "in_backward": lambda: OptimizerInBackward(),
         "host_optimizer": lambda: OffloadOptimizer(offload_gradients=True),
         "adamw8bit": lambda: Optimizer8bit(),
+        "tiled": lambda: TiledMLP(tile_tokens=16),  # 4 x 32 tokens: 8 tiles
     }
     objs = [made[n]() for n in names.split(",") if n and n != "-"]
     plugins = [o for o in objs if not isinstance(o, Callback)]

@@ -54,6 +54,7 @@ def _assert_levers_at_work(active, names):
     pytest.param("host_optimizer", marks=pytest.mark.slow),
     pytest.param("adamw8bit", marks=pytest.mark.slow),
     pytest.param("qlora,checkpointing,offload,host_optimizer", marks=pytest.mark.slow),
+    pytest.param("qlora,checkpointing,fused,tiled", marks=pytest.mark.slow),
 ])
 def test_a_fit_killed_mid_training_resumes_with_the_uninterrupted_losses(tmp_path, names):
     stitched = _killed_and_resumed(tmp_path, names)
