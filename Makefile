@@ -9,11 +9,19 @@ BENCH_STAMP := $(VENV)/.memkit-bench-installed
 
 .PHONY: demo test bench lint venv clean gpu-check gpu-wheels
 
+# A download cut off mid-way does not fail the set-up: pip resumes it (--resume-retries, once pip is upgraded) and
+# each install runs up to three times.
+PIP_INSTALL := $(PY) -m pip install -q --retries 10 --timeout 60
+RESUME := --resume-retries 20
+DEV_EXTRAS := -e ".[test,hf]"
+BENCH_EXTRAS := -e ".[test,hf,bench]"
+retry = for i in 1 2 3; do $(1) && break; [ $$i -lt 3 ] || exit 1; echo "install failed, again ($$i of 3)" >&2; sleep 15; done
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,hf]"
+	$(call retry,$(PIP_INSTALL) --upgrade pip)
+	$(call retry,$(PIP_INSTALL) $(RESUME) "$(TORCH_SPEC)")
+	$(call retry,$(PIP_INSTALL) $(RESUME) $(DEV_EXTRAS))
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -36,7 +44,7 @@ test: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[test,hf,bench]"
+	$(call retry,$(PIP_INSTALL) $(RESUME) $(BENCH_EXTRAS))
 	touch $(BENCH_STAMP)
 
 # The benchmarks, with their peers installed (the `bench` extra).
