@@ -11,11 +11,13 @@ the Qwen3-MoE again with their MLPs tiled (``tiled_mlps``, as the ``TiledMLP`` c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,20 @@ def steady_step(model: torch.nn.Module, live: LivePeak, precision: str, offload:
     return {key: sorted(step[key] for step in steps[1:])[1] for key in steps[0]}
 
 
+def _measured(case: str, mesh: Any, variant: str = "") -> dict[str, int]:
+    """:func:`steady_step` of ``case`` sharded over ``mesh``: as given (``""``), with FSDP2's CPU offload, its host
+    bytes placed as a GPU run places them (``"offloaded"``), or with its MLPs tiled (``"tiled"``)."""
+    precision, offload = fsdp2_cases.CASES[case][1], variant == "offloaded"
+    with visible_resizes(), LivePeak() as live:
+        model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh, offload=offload)
+        around = (offloaded_like_a_gpu_run(model) if offload
+                  else tiled_mlps(model, fsdp2_cases.TILE) if variant == "tiled" else contextlib.nullcontext())
+        with around:
+            result = steady_step(model, live, precision, offload=offload)
+        del model, around
+    return result
+
+
 def main(out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -69,26 +85,9 @@ def main(out: Path) -> None:
     os.environ["RANK"] = str(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    results = {}
-    for case, (_, precision, _) in fsdp2_cases.CASES.items():
-        with visible_resizes(), LivePeak() as live:
-            model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh)
-            results[case] = steady_step(model, live, precision)
-            del model
-    for case in fsdp2_cases.OFFLOADED:  # the host bytes placed as a GPU run places them
-        precision = fsdp2_cases.CASES[case][1]
-        with visible_resizes(), LivePeak() as live:
-            model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh, offload=True)
-            with offloaded_like_a_gpu_run(model):
-                results[f"{case} offloaded"] = steady_step(model, live, precision, offload=True)
-            del model
-    for case in fsdp2_cases.TILED:
-        precision = fsdp2_cases.CASES[case][1]
-        with visible_resizes(), LivePeak() as live:
-            model = shard_transform(build_model(fsdp2_cases.model_factory(case), precision), mesh=mesh)
-            with tiled_mlps(model, fsdp2_cases.TILE):
-                results[f"{case} tiled"] = steady_step(model, live, precision)
-            del model
+    results = {case: _measured(case, mesh) for case in fsdp2_cases.CASES}
+    results |= {f"{case} offloaded": _measured(case, mesh, "offloaded") for case in fsdp2_cases.OFFLOADED}
+    results |= {f"{case} tiled": _measured(case, mesh, "tiled") for case in fsdp2_cases.TILED}
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

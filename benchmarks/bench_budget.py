@@ -430,6 +430,38 @@ def _same(losses: list[float] | None, ref: list[float]) -> tuple[float | str, st
     return float(f"{delta:.3g}"), "yes" if delta <= TOLERANCE else "no"
 
 
+def _method_row(method: str, o: _Outcome, fraction: float, budget: int, ref_s: float, ratio: float | None,
+                base_losses: list[float]) -> dict:
+    """One method's row at one budget: its time to fit, peak, step time and losses against the unbudgeted run's."""
+    fits = "" if o.peak is None else ("yes" if o.peak <= budget else "NO")
+    delta, same = _same(o.losses, base_losses)
+    per_sample = None if ratio is None or not o.samples else ratio * BATCH / o.samples
+    return {
+        "impl": f"{method} @ {fraction:.0%}", "budget B": budget, "time to fit s": round(o.seconds, 2),
+        "vs MemoryBudget": round(o.seconds / ref_s, 3) if ref_s > 0 else "",
+        "peak B": "" if o.peak is None else o.peak, "fits": fits or "no plan",
+        "step time vs unbudgeted": "" if ratio is None else round(ratio, 3),
+        "samples/step": "" if o.samples is None else o.samples,
+        "time/sample vs unbudgeted": "" if per_sample is None else round(per_sample, 3),
+        "max abs loss diff": delta, "same losses": same,
+        "chose": o.chose,
+    }
+
+
+def _budget_met(mb: _Outcome, budget: int, base_losses: list[float]) -> bool:
+    """Whether MemoryBudget's run fits the budget with the unbudgeted run's losses."""
+    return mb.peak is not None and mb.peak <= budget and _same(mb.losses, base_losses)[1] == "yes"
+
+
+def _trial_rows(kind: str, trials: list[tuple[float, int, list[float], float]], base_peak: int,
+                base_losses: list[float]) -> list[dict]:
+    """The rows of a model's compile trials: each fraction's peak, compile-and-fit time and losses."""
+    return [{"impl": f"{kind}: activation_memory_budget={fraction}", "peak B": peak,
+             "peak vs unbudgeted": round(peak / base_peak, 3), "compile and fit s": round(seconds, 2),
+             "max abs loss diff": _same(losses, base_losses)[0], "same losses": _same(losses, base_losses)[1]}
+            for fraction, peak, losses, seconds in trials]
+
+
 def _case(kind: str, quick: bool, root: str) -> tuple[dict, list[dict]]:
     """The entry of one model, and the rows of its compile trials."""
     fractions = FRACTIONS[1:2] if quick else FRACTIONS
@@ -452,32 +484,15 @@ def _case(kind: str, quick: bool, root: str) -> tuple[dict, list[dict]]:
         base_times += [before, after]
         ref_s = outcomes["MemoryBudget"].seconds
         for method in METHODS:
-            o = outcomes[method]
-            fits = "" if o.peak is None else ("yes" if o.peak <= budget else "NO")
-            delta, same = _same(o.losses, base_losses)
             ratio = step[method] / reference if method in step else None
-            per_sample = None if ratio is None or not o.samples else ratio * BATCH / o.samples
-            rows.append({
-                "impl": f"{method} @ {fraction:.0%}", "budget B": budget, "time to fit s": round(o.seconds, 2),
-                "vs MemoryBudget": round(o.seconds / ref_s, 3) if ref_s > 0 else "",
-                "peak B": "" if o.peak is None else o.peak, "fits": fits or "no plan",
-                "step time vs unbudgeted": "" if ratio is None else round(ratio, 3),
-                "samples/step": "" if o.samples is None else o.samples,
-                "time/sample vs unbudgeted": "" if per_sample is None else round(per_sample, 3),
-                "max abs loss diff": delta, "same losses": same,
-                "chose": o.chose,
-            })
-        mb = outcomes["MemoryBudget"]
-        ok = mb.peak is not None and mb.peak <= budget and _same(mb.losses, base_losses)[1] == "yes"
+            rows.append(_method_row(method, outcomes[method], fraction, budget, ref_s, ratio, base_losses))
+        ok = _budget_met(outcomes["MemoryBudget"], budget, base_losses)
         all_met &= ok
         verdicts.append(f"{fraction:.0%} {'yes' if ok else 'NO'}")
     case = (f"{_label(kind)}, batch {BATCH}x{SEQ}, AdamW, {STEPS} optimizer steps, CPU, {torch.get_num_threads()} "
             f"thread(s): budgets {', '.join(f'{f:.0%}' for f in fractions)} of the unbudgeted whole-fit peak; "
             f"unbudgeted step {statistics.median(base_times) * 1e3:.1f} ms (median of its timed fits)")
-    trials = [{"impl": f"{kind}: activation_memory_budget={fraction}", "peak B": peak,
-               "peak vs unbudgeted": round(peak / base_peak, 3), "compile and fit s": round(seconds, 2),
-               "max abs loss diff": _same(losses, base_losses)[0], "same losses": _same(losses, base_losses)[1]}
-              for fraction, peak, losses, seconds in search.trials]
+    trials = _trial_rows(kind, search.trials, base_peak, base_losses)
     entry = record("budget", case, "the same fit without a budget (whole-fit LivePeak peak, losses, step time)", rows,
                    goal="MemoryBudget: whole-fit peak within the budget, the same losses within 1e-4 ("
                         + "; ".join(verdicts) + ")", met=bool(all_met))

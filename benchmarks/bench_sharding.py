@@ -10,7 +10,8 @@ Cases:
   guide report 19.6 GB per GPU with CPU offload (about 107 GB of host memory) and 35.6 GB without;
 - on this CPU: one rank's step estimated on fake tensors under a fake process group against the same step on 2 and
   4 gloo ranks (``benchmarks/_sharding_worker.py``; ``LivePeak`` on every rank): a Llama in bf16, a Qwen3-MoE, a
-  peft-wrapped Llama.
+  peft-wrapped Llama; the Llamas again with FSDP2's CPU offload (host bytes too); the Llama and the Qwen3-MoE again
+  with their MLPs tiled (``sharding_cases.TILE`` tokens a tile).
 
 Goals: each search finds a plan under 60 s; the estimate of a rank within 5% of every measured rank.
 
@@ -87,10 +88,12 @@ def _table(world: int) -> dict[str, Any]:
     if isinstance(measured, str):
         return record("sharding", case, "measured", [{"impl": "failed", "error": measured}], met=False)
     rows, worst = [], 0.0
-    cases = [(name, False) for name in sharding_cases.CASES] + [(name, True) for name in sharding_cases.OFFLOADED]
-    for name, offload in cases:
-        est = sharding_cases.estimate(name, world, offload=offload)
-        key = f"{name} offloaded" if offload else name
+    cases = ([(name, "") for name in sharding_cases.CASES] + [(name, "offloaded") for name in sharding_cases.OFFLOADED]
+             + [(name, "tiled") for name in sharding_cases.TILED])
+    for name, variant in cases:
+        offload = variant == "offloaded"
+        est = sharding_cases.estimate(name, world, offload=offload, tiled=variant == "tiled")
+        key = f"{name} {variant}".strip()
         predicted = max(p.peak_bytes for p in est.phases if p.phase in PHASES)
         peaks = [max(m[key][p] for p in PHASES) for m in measured]
         errors = [predicted / peak - 1 for peak in peaks]

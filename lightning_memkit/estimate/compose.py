@@ -470,39 +470,57 @@ class _Kinds:
                  by_modules: bool, tags: tuple[str, ...]):
         self.sample: dict[tuple[str, int, int], int] = {}  # (zone, depth, j) -> kind
         self.real: dict[str, list[int]] = {}  # zone -> kind of each layer of the full model
-        n = len(real)
         ids: dict[tuple, int] = {}
         for zone in _ZONES:
-            table: dict[tuple, set[int]] = {}
-            for d, (_, phases) in samples.items():
-                for j in range(d):
-                    tag = _tag(j, d)
-                    key = (zone, tuple(phases[p].zones[(zone, j)].sizes for p in _PHASES),
-                           tag if tag in tags else "", real[j] if by_modules else None)
-                    kind = ids.setdefault(key, len(ids))
-                    self.sample[(zone, d, j)] = kind
-                    table.setdefault((real[j], _position(j, real[:d])), set()).add(kind)
-            self.real[zone] = []
-            for j in range(n):
-                found = table.get((real[j], _position(j, real)))
-                if not found:  # a position no sample has: the kind its neighbours in the samples all have, if one
-                    found = set().union(*(kinds for (sig, where), kinds in table.items()
-                                          if sig == real[j] and where[0] == _tag(j, n))) or None
-                    found = found if found is not None and len(found) == 1 else None
-                if not found:
-                    where = _position(j, real)
-                    raise _NeedDepth(f"no sample has a layer of the kind of layer {j} where it is ({where[0]}"
-                                     + (", first of its kind" if where[1] else "")
-                                     + (", last of its kind" if where[2] else "") + ")")
-                if len(found) > 1:
-                    raise NotComposable(f"layers of the kind of layer {j} allocate differently at different "
-                                        "positions")
-                self.real[zone].append(next(iter(found)))
+            table = self._sample_zone(zone, samples, real, by_modules, tags, ids)
+            self.real[zone] = [_real_kind(table, real, j) for j in range(len(real))]
         layer_kinds = sorted({k for (zone, _, _), k in self.sample.items() if zone == "layer"})
         index = {k: i for i, k in enumerate(layer_kinds)}
         self.n = len(layer_kinds)  # features: layers of each layer-zone kind
         self.sample_layers = {d: [index[self.sample[("layer", d, j)]] for j in range(d)] for d in samples}
         self.real_layers = [index[k] for k in self.real["layer"]]
+
+    def _sample_zone(self, zone: str, samples: dict[int, tuple[StepTrace, dict[str, _Phase]]], real: list[tuple],
+                     by_modules: bool, tags: tuple[str, ...], ids: dict[tuple, int]) -> dict[tuple, set[int]]:
+        """The kind of ``zone`` of each sample layer, filed in ``sample``: the kinds per module kind and position."""
+        table: dict[tuple, set[int]] = {}
+        for d, (_, phases) in samples.items():
+            for j in range(d):
+                tag = _tag(j, d)
+                key = (zone, tuple(phases[p].zones[(zone, j)].sizes for p in _PHASES),
+                       tag if tag in tags else "", real[j] if by_modules else None)
+                kind = ids.setdefault(key, len(ids))
+                self.sample[(zone, d, j)] = kind
+                table.setdefault((real[j], _position(j, real[:d])), set()).add(kind)
+        return table
+
+
+def _real_kind(table: dict[tuple, set[int]], real: list[tuple], j: int) -> int:
+    """The kind of layer ``j`` of the full model: the one the samples show at its position, or at its tag."""
+    found = table.get((real[j], _position(j, real)))
+    if not found:  # a position no sample has: the kind its neighbours in the samples all have, if one
+        found = _neighbour_kind(table, real, j)
+    if not found:
+        raise _missing_kind(real, j)
+    if len(found) > 1:
+        raise NotComposable(f"layers of the kind of layer {j} allocate differently at different positions")
+    return next(iter(found))
+
+
+def _neighbour_kind(table: dict[tuple, set[int]], real: list[tuple], j: int) -> set[int] | None:
+    """The one kind the samples' layers of layer ``j``'s module kind have at its tag (first, last, inner), if one."""
+    n = len(real)
+    found = set().union(*(kinds for (sig, where), kinds in table.items()
+                          if sig == real[j] and where[0] == _tag(j, n))) or None
+    return found if found is not None and len(found) == 1 else None
+
+
+def _missing_kind(real: list[tuple], j: int) -> _NeedDepth:
+    """The error for layer ``j``, whose position no sample shows."""
+    where = _position(j, real)
+    return _NeedDepth(f"no sample has a layer of the kind of layer {j} where it is ({where[0]}"
+                      + (", first of its kind" if where[1] else "")
+                      + (", last of its kind" if where[2] else "") + ")")
 
 
 def _evaluate(samples: dict[int, tuple[StepTrace, dict[str, _Phase]]], kinds: _Kinds) -> StepTrace:
@@ -539,47 +557,72 @@ def _evaluate_phase(phase: str, samples: dict[int, tuple[StepTrace, dict[str, _P
                     kinds: _Kinds) -> PhaseEstimate:
     """The phase's peak at the full depth: every allocation evaluated, the largest kept (the earliest of equals)."""
     depths = sorted(samples)
-    n = len(kinds.real_layers)
     data = {d: samples[d][1][phase] for d in depths}
+    candidates = _outside_candidates(phase, data, depths, kinds)
+    # each zone of the layers, kind by kind
+    layer_name = _layer_namer(samples[depths[0]][0].layers)
+    for zone in _ZONES:
+        for kind in sorted(set(kinds.real[zone])):
+            candidates += _zone_candidates(phase, zone, kind, samples, data, kinds, layer_name)
+    return _highest(phase, candidates)
+
+
+def _entered(after: int, depth: int, n: int) -> int:
+    """Layers entered before an allocation, at the full depth ``n``, from ``after`` at a sample's ``depth``."""
+    return 0 if after == 0 else n if after == depth else after
+
+
+def _outside_candidates(phase: str, data: dict[int, _Phase], depths: list[int], kinds: _Kinds) -> list[tuple]:
+    """The allocations of no layer at the full depth: each one's row, place in time and running module."""
+    n = len(kinds.real_layers)
     d0 = depths[0]
     first = data[d0]
-
-    def position(after: int, depth: int) -> int:  # layers entered before, at the full depth
-        return 0 if after == 0 else n if after == depth else after
-
-    # allocations of no layer
     if len({len(data[d].none.sizes) for d in depths}) != 1:
         raise NotComposable(f"{phase}: the samples allocate outside the layers {len(first.none.sizes)} and "
                             f"{len(data[depths[-1]].none.sizes)} times")
     Y = np.stack([data[d].none.values.reshape(-1) for d in depths])
     none = _Affine([_outside_features(kinds.sample_layers[d], kinds.n) for d in depths], Y,
                    f"{phase} outside the layers").predict([_outside_features(kinds.real_layers, kinds.n)])[0]
-    candidates = [(row, (2 * position(first.none.after[i], d0), first.none.order[i], 0), first.none.names[i])
-                  for i, row in enumerate(none.reshape(-1, _WIDTH))]
-    # each zone of the layers, kind by kind
-    layer_name = _layer_namer(samples[d0][0].layers)
-    for zone in _ZONES:
-        real_kinds = kinds.real[zone]
-        for kind in sorted(set(real_kinds)):
-            instances = [(d, j) for d in depths for j in range(d) if kinds.sample[(zone, d, j)] == kind]
-            da, ja = instances[0]
-            if not data[da].zones[(zone, ja)].sizes:
-                continue
-            Y = np.stack([data[d].zones[(zone, j)].values.reshape(-1) for d, j in instances])
-            fit = _Affine([_layer_features(kinds.sample_layers[d], j, kinds.n) for d, j in instances], Y,
-                          f"{phase} in the {zone} zone of layers of kind {kind}")
-            at = [j for j in range(n) if real_kinds[j] == kind]
-            values = fit.predict([_layer_features(kinds.real_layers, j, kinds.n) for j in at])
-            rows0 = data[da].zones[(zone, ja)]
-            old = samples[da][0].layers[ja]
-            for j, flat in zip(at, values, strict=True):
-                rows = flat.reshape(-1, _WIDTH)
-                k = int(np.argmax(rows[:, 0]))  # the first allocation at the zone's highest point
-                rank = j if data[da].ascending else n - 1 - j
-                # in time: the layer's own slot between the allocations of no layer; the outside zone's at its place
-                when = (2 * rank + 1, k, 0) if zone == "layer" else \
-                    (2 * position(rows0.after[k], da), rows0.order[k], rank)
-                candidates.append((rows[k], when, _rename(rows0.names[k], old, layer_name(j))))
+    return [(row, (2 * _entered(first.none.after[i], d0, n), first.none.order[i], 0), first.none.names[i])
+            for i, row in enumerate(none.reshape(-1, _WIDTH))]
+
+
+def _zone_candidates(phase: str, zone: str, kind: int, samples: dict[int, tuple[StepTrace, dict[str, _Phase]]],
+                     data: dict[int, _Phase], kinds: _Kinds, layer_name: Callable[[int], str]) -> list[tuple]:
+    """The highest allocation of ``zone`` in each layer of ``kind`` at the full depth: its row, place in time and
+    running module."""
+    n = len(kinds.real_layers)
+    real_kinds = kinds.real[zone]
+    instances = [(d, j) for d in sorted(samples) for j in range(d) if kinds.sample[(zone, d, j)] == kind]
+    da, ja = instances[0]
+    if not data[da].zones[(zone, ja)].sizes:
+        return []
+    Y = np.stack([data[d].zones[(zone, j)].values.reshape(-1) for d, j in instances])
+    fit = _Affine([_layer_features(kinds.sample_layers[d], j, kinds.n) for d, j in instances], Y,
+                  f"{phase} in the {zone} zone of layers of kind {kind}")
+    at = [j for j in range(n) if real_kinds[j] == kind]
+    values = fit.predict([_layer_features(kinds.real_layers, j, kinds.n) for j in at])
+    rows0 = data[da].zones[(zone, ja)]
+    old = samples[da][0].layers[ja]
+    candidates = []
+    for j, flat in zip(at, values, strict=True):
+        rows = flat.reshape(-1, _WIDTH)
+        k = int(np.argmax(rows[:, 0]))  # the first allocation at the zone's highest point
+        rank = j if data[da].ascending else n - 1 - j
+        candidates.append((rows[k], _when(zone, rows0, k, rank, da, n), _rename(rows0.names[k], old, layer_name(j))))
+    return candidates
+
+
+def _when(zone: str, rows0: _Rows, k: int, rank: int, depth: int, n: int) -> tuple[int, int, int]:
+    """The place in time of allocation ``k`` of a layer's zone (``rank``-th layer run; ``rows0``: a sample's)."""
+    # in time: the layer's own slot between the allocations of no layer; the outside zone's at its place
+    if zone == "layer":
+        return 2 * rank + 1, k, 0
+    return 2 * _entered(rows0.after[k], depth, n), rows0.order[k], rank
+
+
+def _highest(phase: str, candidates: list[tuple]) -> PhaseEstimate:
+    """The phase's estimate at the largest of ``candidates`` (the earliest of equals)."""
     best = max(candidates, key=lambda c: (int(c[0][0]), tuple(-t for t in c[1])))
     row = [int(v) for v in best[0]]
     return PhaseEstimate(phase, row[0], *row[1:], best[2])

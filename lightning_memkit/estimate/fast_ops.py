@@ -125,42 +125,71 @@ class FastOps(TorchDispatchMode):
 
     def _short(self, kind: str, func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
         """The short answer of a storage-free op, or ``None`` where it does not apply (then the op goes down)."""
-        fake = self._fake
         first = args[0] if args else None
-        if type(first) is not fake or first.constant is not None or first.layout != torch.strided:
-            return None
-        if any(isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a) for a in args):
+        if not self._plain_fake(first) or _has_tensor_list(args):
             return None
         if kind == "view":
-            if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
-                return None
-            mode = first.fake_mode
-            with self._in_kernel(mode):
-                meta = func(*args, **kwargs)
-            # a fresh meta tensor: wrapped as fake mode wraps it (its meta-to-fake memo is for tensors seen again)
-            return fake(mode, meta, first.fake_device) if isinstance(meta, torch.Tensor) else None
+            return self._short_view(func, args, kwargs)
         others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if any(type(t) is not fake or t.fake_device != first.fake_device for t in others):
+        if not self._fake_on(others, first.fake_device):
             return None
         if kind == "in place":
-            shapes = [t.shape for t in others]
-            if _IN_PLACE[func] == "matmul":
-                a, b = args[1], args[2]
-                if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or a.dtype != b.dtype:
-                    return None
-                shapes = [(a.shape[0], b.shape[1])]
-            elif _IN_PLACE[func] == "same dtype" and any(t.dtype != first.dtype for t in others):
-                return None  # the kernel refuses (lerp_) or promotes: the long way decides
-            if not all(_broadcasts_to(s, first.shape) for s in shapes):
-                return None
-            return first
+            return _short_in_place(func, args, first, others)
+        return self._short_out(args, kwargs)
+
+    def _plain_fake(self, t: Any) -> bool:
+        """Whether ``t`` is a fake tensor with no constant behind it, of the strided layout."""
+        return type(t) is self._fake and t.constant is None and t.layout == torch.strided
+
+    def _fake_on(self, tensors: list[torch.Tensor], device: torch.device) -> bool:
+        """Whether all ``tensors`` are fake tensors on ``device``."""
+        return all(type(t) is self._fake and t.fake_device == device for t in tensors)
+
+    def _short_view(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """A view op's output: its meta kernel run on the fake input, wrapped as a fake tensor on the same storage."""
+        if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+            return None
+        first = args[0]
+        mode = first.fake_mode
+        with self._in_kernel(mode):
+            meta = func(*args, **kwargs)
+        # a fresh meta tensor: wrapped as fake mode wraps it (its meta-to-fake memo is for tensors seen again)
+        return self._fake(mode, meta, first.fake_device) if isinstance(meta, torch.Tensor) else None
+
+    def _short_out(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The ``out=`` tensor of a matmul that writes into it in place, else ``None``."""
         out = kwargs.get("out")
         a, b = args[0], args[1] if len(args) > 1 else None
-        if (type(out) is not fake or not isinstance(b, torch.Tensor) or a.dim() != 2 or b.dim() != 2
-                or a.shape[1] != b.shape[0] or tuple(out.shape) != (a.shape[0], b.shape[1])
+        if (type(out) is not self._fake or not isinstance(b, torch.Tensor) or not _multipliable(a, b)
+                or tuple(out.shape) != (a.shape[0], b.shape[1])
                 or not a.dtype == b.dtype == out.dtype or not _gemm_writable(out)):
             return None
         return out
+
+
+def _has_tensor_list(args: tuple) -> bool:
+    """Whether an argument is a list or tuple holding a tensor."""
+    return any(isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a) for a in args)
+
+
+def _multipliable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a @ b`` is a product of two matrices: both 2-D, the inner sizes equal."""
+    return a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+
+
+def _short_in_place(func: Any, args: tuple, first: torch.Tensor, others: list[torch.Tensor]) -> torch.Tensor | None:
+    """The written tensor of an in-place op whose operands broadcast to it, else ``None``."""
+    shapes = [t.shape for t in others]
+    if _IN_PLACE[func] == "matmul":
+        a, b = args[1], args[2]
+        if not _multipliable(a, b) or a.dtype != b.dtype:
+            return None
+        shapes = [(a.shape[0], b.shape[1])]
+    elif _IN_PLACE[func] == "same dtype" and any(t.dtype != first.dtype for t in others):
+        return None  # the kernel refuses (lerp_) or promotes: the long way decides
+    if not all(_broadcasts_to(s, first.shape) for s in shapes):
+        return None
+    return first
 
 
 def _gemm_writable(out: torch.Tensor) -> bool:

@@ -338,6 +338,29 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
         keep_base: a run as given that fits is the answer: nothing else is estimated (``MemoryBudget`` changes
             nothing in a run that fits; without it, plans cheaper than the run as given are searched too).
     """
+    _check_arguments(budget_bytes, margin, max_plans, max_estimates)
+    search = _new_search(run, budget_bytes, margin, max_estimates, progress, machine, host_budget)
+    ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: p.search_order(run.base))
+    tops = _strongest([run.base, *ordered])
+    search.queue = [*tops, *(p for p in ordered if p not in tops)]
+    base, base_cost = search.try_plan(run.base)
+    if keep_base and base.fits:
+        return SearchResult(budget_bytes, margin, base, [base], search.estimated, len(search.queue), 0,
+                            time.perf_counter() - search.start)  # nothing ranked
+    tried = _try_tops(search, tops, ordered, (base, base_cost))
+    open_tops = _open_tops(search, tried)
+    if open_tops:
+        top, strongest = open_tops[0]
+        _try_rest(search, top, ordered, tops, _tight(strongest, base, budget_bytes, margin))
+    else:  # each plan is at most one of the strongest, none of which fits
+        _try_pipelines(search, ordered, tops, tried)
+    fitting = _ranked(search.fitting, base.plan)
+    return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped,
+                        search.capped, time.perf_counter() - search.start, search.machine.device)
+
+
+def _check_arguments(budget_bytes: int, margin: float, max_plans: int, max_estimates: int) -> None:
+    """:func:`search_plans`'s budget and counts positive integers, its margin in [0, 1)."""
     from lightning_memkit.common.validation import check_int
 
     check_int(budget_bytes, "budget_bytes", minimum=1, owner="search_plans")
@@ -345,6 +368,12 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     check_int(max_estimates, "max_estimates", minimum=1, owner="search_plans")
     if not 0 <= margin < 1:
         raise ValueError(f"search_plans(margin=...) must be in [0, 1), got {margin!r}")
+
+
+def _new_search(run: Run, budget_bytes: int, margin: float, max_estimates: int,
+                progress: Callable[[str], None] | None, machine: MachineBalance | None,
+                host_budget: int | None) -> _Search:
+    """The state of a new search: its machine, its progress line, and its tests of an estimate against the budget."""
     host_free = host_budget if host_budget is not None else free_device_memory("cpu")
 
     def device_fits(est: Any) -> bool:
@@ -353,37 +382,48 @@ def search_plans(run: Run, budget_bytes: int, margin: float = 0.05, max_plans: i
     def fits(est: Any) -> bool:
         return _fits(est, run, budget_bytes, margin, host_free)
 
-    search = _Search(run, machine or run.machine(), fits,
-                     progress or (lambda _line: None), max_estimates, device_fits)
-    ordered = sorted((p for p in run.axes() if p != run.base), key=lambda p: p.search_order(run.base))
-    tops = _strongest([run.base, *ordered])
-    search.queue = [*tops, *(p for p in ordered if p not in tops)]
-    base, base_cost = search.try_plan(run.base)
-    if keep_base and base.fits:
-        return SearchResult(budget_bytes, margin, base, [base], search.estimated, len(search.queue), 0,
-                            time.perf_counter() - search.start)  # nothing ranked
-    tried = [(top, (base, base_cost) if top == run.base else search.try_plan(top)) for top in tops]
+    return _Search(run, machine or run.machine(), fits,
+                   progress or (lambda _line: None), max_estimates, device_fits)
+
+
+def _try_tops(search: _Search, tops: list[Plan], ordered: list[Plan],
+              base: tuple[PlanResult, StepCost]) -> list[tuple[Plan, tuple[PlanResult, StepCost] | None]]:
+    """Each strongest plan and what trying it gave (``base``: the run as given's); where one keeps more than the
+    host memory holds, the strongest keeping nothing there too."""
+    run = search.run
+    tried = [(top, base if top == run.base else search.try_plan(top)) for top in tops]
     if any(top in search.host_failed for top in tops):  # the strongest keep more than the host memory holds
         light = _host_free_tops(ordered, tops)
         search.queue = [*light, *(p for p in search.queue if p not in light)]
         tried += [(top, search.try_plan(top)) for top in light]
+    return tried
+
+
+def _open_tops(search: _Search, tried: list[tuple[Plan, tuple[PlanResult, StepCost] | None]],
+               ) -> list[tuple[Plan, tuple[PlanResult, StepCost] | None]]:
+    """The strongest plans tried below which a plan may fit, those within the host memory first."""
     # None: ruled out by a fitting base (only adds work) or the limit; over the host memory only: weaker may fit
-    open_tops = sorted(((top, found) for top, found in tried
-                        if found is None or found[0].fits or top in search.host_failed),
-                       key=lambda t: t[0] in search.host_failed)
-    if open_tops:
-        top, strongest = open_tops[0]
-        probes = _probes(top, ordered) if _tight(strongest, base, budget_bytes, margin) else []
-        rest = [p for p in ordered if p not in tops and p not in probes]
-        search.queue = [*probes, *rest]
-        for plan in [*probes, *rest]:
-            search.try_plan(plan)
-    else:  # each plan is at most one of the strongest, none of which fits
-        search.skipped += len(ordered) - sum(top != run.base for top in tops)
-        search.queue = list(run.pipelines())
-        for plan in list(search.queue):
-            if (found := search.try_plan(plan, tried[0][1][1])) is not None and found[0].fits:
-                break
-    fitting = _ranked(search.fitting, base.plan)
-    return SearchResult(budget_bytes, margin, base, fitting[:max_plans], search.estimated, search.skipped,
-                        search.capped, time.perf_counter() - search.start, search.machine.device)
+    return sorted(((top, found) for top, found in tried
+                   if found is None or found[0].fits or top in search.host_failed),
+                  key=lambda t: t[0] in search.host_failed)
+
+
+def _try_rest(search: _Search, top: Plan, ordered: list[Plan], tops: list[Plan], probe: bool) -> None:
+    """Every plan but the strongest, least added work first; where ``probe``, the probes of ``top`` before them."""
+    probes = _probes(top, ordered) if probe else []
+    rest = [p for p in ordered if p not in tops and p not in probes]
+    search.queue = [*probes, *rest]
+    for plan in [*probes, *rest]:
+        search.try_plan(plan)
+
+
+def _try_pipelines(search: _Search, ordered: list[Plan], tops: list[Plan],
+                   tried: list[tuple[Plan, tuple[PlanResult, StepCost] | None]]) -> None:
+    """No strongest plan fits: the single-device plans counted as skipped, the run's pipeline plans tried until one
+    fits."""
+    run = search.run
+    search.skipped += len(ordered) - sum(top != run.base for top in tops)
+    search.queue = list(run.pipelines())
+    for plan in list(search.queue):
+        if (found := search.try_plan(plan, tried[0][1][1])) is not None and found[0].fits:
+            break

@@ -622,70 +622,149 @@ def trace_training_step(model_factory: Callable[[], nn.Module], batch_factory: C
     with (_world(step), fake_tensors() as gaps, CategoryTracker() as tracker, FastOps() as fast,
           contextlib.ExitStack() as stack):
         events = tracker.log = EventLog({}) if log else None
-        tracker.start_phase("load", "weights")
-        model = _build_logged(model_factory, precision, plugin, tracker)
-        tracker.start_phase(None, "transient")
-        for transform in step.transforms:  # after the load phase: the model as built, then (say) sharded
-            model = transform(model)
-        if step.transforms and events is not None:  # the layers' tensors now are the transformed ones
-            _file_layers(tracker, model, {})
+        model = _load(model_factory, step, plugin, tracker, events)
         buckets = _replica_buckets(model, step)
         tracker.move(buckets, "gradients")
-        names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
-        clock = ModuleClock(names)
-        tracker.clock = clock
+        clock = _module_clock(model, tracker)
         grads = _record_gradients(model, stack)  # before the optimizer's own hooks (a step in backward frees them)
-        optim = make_optimizer(model)
-        if not isinstance(optim, torch.optim.Optimizer):
-            raise TypeError(f"{_OWNER}(optimizer=...) must make a torch.optim.Optimizer, got {type(optim).__name__}")
+        optim = _checked_optimizer(make_optimizer, model)
         run = _Run(model, optim, tracker, batch_factory, loss_fn or default_loss,
                    precision, zero_grad, gaps, plugin, fake_batch, grads=grads)
         blocks = layer_blocks(model) if log else []
         if events is not None:
-            events.layer_of.update({f"{name}.{sub}" if sub else name: j for j, (name, block) in enumerate(blocks)
-                                    for sub, _ in block.named_modules()})
-            run.before_step = lambda b=blocks, o=optim: _claim_layers(events, b, o)
-        head, tail = _install(run, clock, step.checkpoint, stack)
-        features = [*head, *_patch(model, step.patches, stack), *tail]
-        if buckets:
-            features.append(f"DDP gradient buckets ({step.world.replicate} replicas)")
+            _log_layers(run, events, blocks)
+        features = _install_features(run, clock, step, stack, buckets)
+        warmed = _warm_up(run, warmup)
+        before, steady = _recorded_step(run, fast, events, blocks)
         if warmup == "synthetic":
-            warmed = _synthetic_warmup(run)
-        else:
-            _step(run, record=False)
-        if zero_grad == "accumulate":
-            _previous_micro_step(run, warmed if warmup == "synthetic" else run.grads)
-        _classify_static(run)
-        before = {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"}
-        tracker.allocated, tracker.allocated_by_phase = 0, {}
-        steady = tracker.host_live_bytes
-        if events is not None:  # the layers' tensors are theirs from the start: a step in backward reads them there
-            _claim_layers(events, blocks, optim)
-        fast.counting = True
-        _step(run, record=True)
-        fast.counting = False
-        if warmup == "synthetic":
-            kept = {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"} - before
-            if warmed != run.grads or kept:
-                same = "differ" if warmed != run.grads else "match"
-                raise WarmupMismatch(f"{_OWNER}: the recorded step after a synthetic warm-up is not a steady state "
-                                     f"({len(kept)} new storages kept, gradients {same})")
-        phases = [PhaseEstimate.from_peak(name, tracker.phase_peaks[name]) for name in ("load", *STEP_PHASES)]
-        foreach = _foreach_step_bytes(optim, tracker) if target == "cuda" else 0
-        phases[-1].peak_bytes += foreach
-        phases[-1].transient += foreach
-        counts = (sum(p.numel() for p in model.parameters()),
-                  sum(p.numel() for g in optim.param_groups for p in g["params"]),
-                  sum(_local(p).nbytes for p in model.parameters()))
+            _check_steady_state(tracker, before, warmed, run.grads)
+        phases, foreach = _phase_estimates(tracker, optim, target)
+        counts = _parameter_counts(model, optim)
         layers = [name for name, _ in blocks]
         host = max(tracker.host_peaks.get(name, 0) for name in STEP_PHASES)
-        for side in {int(d) for p in model.parameters() for d in p.shape}:  # a feature width, not a token count
-            tracker.largest.squares.pop(side, None)
+        _drop_feature_widths(tracker, model)
         label = _precision_label(precision, plugin, model)
         del run, model, optim, blocks, buckets
     return StepTrace(phases, counts[0], counts[1], label, features,
                      fast.flops, tracker.allocated, target, foreach, events, layers, host,
                      tracker.allocated_by_phase.get("optimizer step", 0), steady, counts[2], tracker.largest)
+
+
+def _load(model_factory: Callable[[], nn.Module], step: StepSpec, plugin: Any, tracker: CategoryTracker,
+          events: EventLog | None) -> nn.Module:
+    """The load phase (the model built as ``step`` says), then ``step``'s transforms on the model."""
+    tracker.start_phase("load", "weights")
+    model = _build_logged(model_factory, step.precision, plugin, tracker)
+    tracker.start_phase(None, "transient")
+    for transform in step.transforms:  # after the load phase: the model as built, then (say) sharded
+        model = transform(model)
+    if step.transforms and events is not None:  # the layers' tensors now are the transformed ones
+        _file_layers(tracker, model, {})
+    return model
+
+
+def _module_clock(model: nn.Module, tracker: CategoryTracker) -> ModuleClock:
+    """A :class:`~lightning_memkit.estimate.trace.ModuleClock` over ``model``'s modules, the tracker's clock."""
+    names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+    clock = ModuleClock(names)
+    tracker.clock = clock
+    return clock
+
+
+def _checked_optimizer(make_optimizer: Callable[[nn.Module], Any], model: nn.Module) -> torch.optim.Optimizer:
+    """``make_optimizer(model)``, refused unless it is a ``torch.optim.Optimizer``."""
+    optim = make_optimizer(model)
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise TypeError(f"{_OWNER}(optimizer=...) must make a torch.optim.Optimizer, got {type(optim).__name__}")
+    return optim
+
+
+def _log_layers(run: _Run, events: EventLog, blocks: list[tuple[str, nn.Module]]) -> None:
+    """File every module of the decoder layers ``blocks`` by its layer, and have their tensors claimed before the
+    recorded optimizer step."""
+    events.layer_of.update({f"{name}.{sub}" if sub else name: j for j, (name, block) in enumerate(blocks)
+                            for sub, _ in block.named_modules()})
+    run.before_step = lambda b=blocks, o=run.optimizer: _claim_layers(events, b, o)
+
+
+def _install_features(run: _Run, clock: ModuleClock, step: StepSpec, stack: contextlib.ExitStack,
+                      buckets: list[torch.Tensor]) -> list[str]:
+    """Hooks, recomputation and ``step``'s patches on the model, undone by ``stack``; returns the features' names."""
+    head, tail = _install(run, clock, step.checkpoint, stack)
+    features = [*head, *_patch(run.model, step.patches, stack), *tail]
+    if buckets:
+        features.append(f"DDP gradient buckets ({step.world.replicate} replicas)")
+    return features
+
+
+def _warm_up(run: _Run, warmup: str) -> dict[str, tuple[int, torch.dtype]] | None:
+    """The first step, as ``warmup`` says, then for ``zero_grad="accumulate"`` the previous micro-step's gradients;
+    returns the synthetic warm-up's gradients (:func:`_synthetic_warmup`), ``None`` after a real step."""
+    warmed = None
+    if warmup == "synthetic":
+        warmed = _synthetic_warmup(run)
+    else:
+        _step(run, record=False)
+    if run.zero_grad == "accumulate":
+        _previous_micro_step(run, warmed if warmup == "synthetic" else run.grads)
+    return warmed
+
+
+def _live_storages(tracker: CategoryTracker) -> set[int]:
+    """The keys of the storages the tracker holds alive, gradients excepted."""
+    return {k for k, e in tracker._entries.items() if e.tag[0] != "gradients"}
+
+
+def _recorded_step(run: _Run, fast: FastOps, events: EventLog | None,
+                   blocks: list[tuple[str, nn.Module]]) -> tuple[set[int], int]:
+    """The recorded step, its FLOPs counted, from the tracker's counts zeroed; returns the storages alive before it
+    (:func:`_live_storages`) and the host bytes alive then."""
+    tracker = run.tracker
+    _classify_static(run)
+    before = _live_storages(tracker)
+    tracker.allocated, tracker.allocated_by_phase = 0, {}
+    steady = tracker.host_live_bytes
+    if events is not None:  # the layers' tensors are theirs from the start: a step in backward reads them there
+        _claim_layers(events, blocks, run.optimizer)
+    fast.counting = True
+    _step(run, record=True)
+    fast.counting = False
+    return before, steady
+
+
+def _check_steady_state(tracker: CategoryTracker, before: set[int], warmed: dict[str, tuple[int, torch.dtype]],
+                        grads: dict[str, tuple[int, torch.dtype]]) -> None:
+    """Raise :class:`WarmupMismatch` unless the recorded step left the gradients of the synthetic warm-up
+    (``warmed``) and no new storage other than gradients."""
+    kept = _live_storages(tracker) - before
+    if warmed != grads or kept:
+        same = "differ" if warmed != grads else "match"
+        raise WarmupMismatch(f"{_OWNER}: the recorded step after a synthetic warm-up is not a steady state "
+                             f"({len(kept)} new storages kept, gradients {same})")
+
+
+def _phase_estimates(tracker: CategoryTracker, optim: torch.optim.Optimizer,
+                     target: str) -> tuple[list[PhaseEstimate], int]:
+    """The load phase and the step's phases, the optimizer step's with the bytes its ``foreach`` implementation adds
+    on CUDA (``target="cuda"``); and those bytes."""
+    phases = [PhaseEstimate.from_peak(name, tracker.phase_peaks[name]) for name in ("load", *STEP_PHASES)]
+    foreach = _foreach_step_bytes(optim, tracker) if target == "cuda" else 0
+    phases[-1].peak_bytes += foreach
+    phases[-1].transient += foreach
+    return phases, foreach
+
+
+def _parameter_counts(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """The model's parameters, those the optimizer steps, and the bytes this rank holds of the parameters."""
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for g in optim.param_groups for p in g["params"]),
+            sum(_local(p).nbytes for p in model.parameters()))
+
+
+def _drop_feature_widths(tracker: CategoryTracker, model: nn.Module) -> None:
+    """Forget the largest square storages whose side is a size of a parameter: a feature width, not a token count."""
+    for side in {int(d) for p in model.parameters() for d in p.shape}:
+        tracker.largest.squares.pop(side, None)
 
 
 def trace_steady_step(model_factory: Callable[[], nn.Module], batch_factory: Callable[[], Any],

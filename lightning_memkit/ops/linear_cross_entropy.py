@@ -354,28 +354,72 @@ def _lse_pass(ctx, x, weight, bias, t, lse, lse_grad, grads) -> None:
             ch.accumulate(g, a, b, dx, dw, db, add=True)
 
 
+def _flat_inputs(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden`` as contiguous ``(N, H)`` rows and ``target`` as contiguous ``(N,)``."""
+    x = hidden.reshape(-1, hidden.shape[-1])
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x, target.reshape(-1).contiguous()
+
+
+def _needed_grads(needs_input_grad, grad_enabled: bool, bias) -> tuple[bool, bool, bool]:
+    """Whether the gradients of ``hidden``, ``weight`` and ``bias`` are wanted."""
+    ng = needs_input_grad
+    return grad_enabled and ng[0], grad_enabled and ng[1], grad_enabled and bias is not None and ng[2]
+
+
+def _row_outputs(n: int, setup: _Setup, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Forward's per-token buffers: loss and log-sum-exp rows, and (empty unless asked) the argmax's correctness,
+    the predicted tokens and token scaling's factors."""
+    loss_rows = torch.empty(n, dtype=torch.float32, device=device)
+    lse = torch.empty(n, dtype=torch.float32, device=device)
+    correct = torch.empty(n if setup.accuracy else 0, dtype=torch.bool, device=device)
+    predicted = torch.empty(n if setup.predicted else 0, dtype=torch.long, device=device)
+    scale = torch.empty(n if setup.token_scaling else 0, dtype=torch.float32, device=device)
+    return loss_rows, lse, correct, predicted, scale
+
+
+def _mask_ignored(correct, predicted, valid, setup: _Setup, shape) -> torch.Tensor:
+    """Mark the ignored tokens wrong in ``correct`` (in place) and -1 in ``predicted``; return ``predicted``."""
+    if setup.accuracy:
+        correct &= valid
+    if setup.predicted:
+        predicted = torch.where(valid, predicted, -1).reshape(shape)
+    return predicted
+
+
+def _keep_for_backward(ctx, setup: _Setup, in_forward, need, hidden, weight, bias, weights, base, scale, grads,
+                       saved) -> None:
+    """Store on ``ctx`` what backward reads: the setup, the gradients built in forward, or the saved inputs."""
+    ctx.setup, ctx.in_forward, ctx.need, ctx.hidden_shape = setup, in_forward, need, hidden.shape
+    ctx.weights, ctx.base, ctx.token_scale = weights, base, scale if setup.token_scaling else None
+    ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
+    ctx.grads = grads if in_forward else None
+    if any(need) and (not in_forward or setup.keep_inputs):
+        ctx.save_for_backward(*saved)
+    ctx.set_materialize_grads(False)
+
+
+def _lse_output(lse, valid, setup: _Setup, shape) -> torch.Tensor:
+    """The log-sum-exp handed out (0 at ignored tokens) when returned or needed for the z-loss, else empty."""
+    if setup.keep_inputs or setup.z_out:
+        return torch.where(valid, lse, 0.0).reshape(shape)
+    return lse.new_empty(0)
+
+
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, setup, grad_enabled, loss_dtype):
         o = setup.o
-        h = hidden.shape[-1]
-        x = hidden.reshape(-1, h)
-        if not x.is_contiguous():
-            x = x.contiguous()
-        t = target.reshape(-1).contiguous()
+        x, t = _flat_inputs(hidden, target)
         n = x.shape[0]
-        ng = ctx.needs_input_grad
-        need = (grad_enabled and ng[0], grad_enabled and ng[1], grad_enabled and bias is not None and ng[2])
+        need = _needed_grads(ctx.needs_input_grad, grad_enabled, bias)
         # gradients built in forward assume an upstream gradient of 1 (scaled afterwards): exact for float32 inputs;
         # half inputs recompute in backward, so the logits' gradient is scaled before its rounding, as unfused
         in_forward = any(need) and o.reduction != "none" and hidden.dtype not in HALF
         weights, denom, base = class_weighting(setup.class_weights, t, o)
         ch = _Chunker(x, weight, bias, t, setup, weights)
-        loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
-        lse = torch.empty(n, dtype=torch.float32, device=x.device)
-        correct = torch.empty(n if setup.accuracy else 0, dtype=torch.bool, device=x.device)
-        predicted = torch.empty(n if setup.predicted else 0, dtype=torch.long, device=x.device)
-        scale = torch.empty(n if setup.token_scaling else 0, dtype=torch.float32, device=x.device)
+        loss_rows, lse, correct, predicted, scale = _row_outputs(n, setup, x.device)
         dx, dw, db = _buffers(x, weight, bias, setup.accum_dtype, need) if in_forward else (None, None, None)
         # fake tensors (an estimate): the chunks of full rows are alike, one stands for them all (fake_repeat)
         for a, count in alike_runs(n, setup.plan.rows, is_fake(x)):
@@ -396,21 +440,10 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                     ch.accumulate(ch.gradient(z), a, b, dx, dw, db)
         del ch
         valid = t != o.ignore_index
-        if setup.accuracy:
-            correct &= valid
-        if setup.predicted:
-            predicted = torch.where(valid, predicted, -1).reshape(target.shape)
-        ctx.setup, ctx.in_forward, ctx.need, ctx.hidden_shape = setup, in_forward, need, hidden.shape
-        ctx.weights, ctx.base, ctx.token_scale = weights, base, scale if setup.token_scaling else None
-        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
-        ctx.grads = (dx, dw, db) if in_forward else None
-        if any(need) and (not in_forward or setup.keep_inputs):
-            ctx.save_for_backward(x, weight, bias, t, lse)
-        ctx.set_materialize_grads(False)
-        if setup.keep_inputs or setup.z_out:
-            lse_out = torch.where(valid, lse, 0.0).reshape(target.shape)
-        else:
-            lse_out = lse.new_empty(0)
+        predicted = _mask_ignored(correct, predicted, valid, setup, target.shape)
+        _keep_for_backward(ctx, setup, in_forward, need, hidden, weight, bias, weights, base, scale, (dx, dw, db),
+                           (x, weight, bias, t, lse))
+        lse_out = _lse_output(lse, valid, setup, target.shape)
         if not setup.keep_inputs:
             ctx.mark_non_differentiable(lse_out)
         ctx.mark_non_differentiable(correct, predicted, scale)

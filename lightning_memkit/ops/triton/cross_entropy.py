@@ -39,6 +39,112 @@ def _tanh(x):
 
 
 @triton.jit
+def _zero_ignored_row(
+    G,
+    stride_g,
+    LOSS,
+    LSE,
+    TSCALE,
+    row,
+    n_cols,
+    HAS_LSE: tl.constexpr,
+    WRITE_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Write an ignored row's outputs: loss, log-sum-exp, token scale and gradient all 0."""
+    if WRITE_LOSS:
+        tl.store(LOSS + row, 0.0)
+    if not HAS_LSE:
+        tl.store(LSE + row, 0.0)
+    if TOKEN_SCALING:
+        tl.store(TSCALE + row, 0.0)
+    if WRITE_GRAD:
+        G += row * stride_g
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            zero = tl.zeros([BLOCK], dtype=tl.float32)
+            tl.store(G + offs, zero.to(G.dtype.element_ty), mask=offs < n_cols)
+
+
+@triton.jit
+def _row_lse(
+    X,
+    WEIGHT,
+    n_cols,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Online softmax over the row's blocks: its log-sum-exp and the smoothing sum (weighted: ``sum_c w_c z_c``)."""
+    m = float("-inf")
+    d = 0.0
+    zsum = 0.0
+    for start in range(0, n_cols, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(WEIGHT + offs, mask=mask, other=0.0).to(tl.float32)
+                zsum += tl.sum(tl.where(mask, w * z, 0.0), axis=0)  # sum_c w_c z_c
+            else:
+                zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+    return m + tl.log(d), zsum
+
+
+@triton.jit
+def _store_grad_row(
+    X,
+    G,
+    WEIGHT,
+    t,
+    lse,
+    scale,
+    coef,
+    wt_true,
+    smooth,
+    n_cols,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Write the row's scaled gradient block by block (``p_c coef - smooth w_c - wt_true [c == t]``, softcapped)."""
+    for start in range(0, n_cols, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            th = _tanh(x / softcap)
+            z = softcap * th
+        else:
+            z = x
+        g = tl.exp(z - lse) * coef
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(WEIGHT + offs, mask=mask, other=0.0).to(tl.float32)
+                g = g - smooth * w
+            else:
+                g = g - smooth
+        g = tl.where(offs == t, g - wt_true, g)
+        if HAS_SOFTCAP:
+            g = g * (1.0 - th * th)
+        g = g * scale
+        tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _ce_rows_kernel(
     X,
     stride_x,
@@ -77,18 +183,8 @@ def _ce_rows_kernel(
 
     if t == ignore_index:
         # ignored token: loss 0, gradient 0, nothing else to read
-        if WRITE_LOSS:
-            tl.store(LOSS + row, 0.0)
-        if not HAS_LSE:
-            tl.store(LSE + row, 0.0)
-        if TOKEN_SCALING:
-            tl.store(TSCALE + row, 0.0)
-        if WRITE_GRAD:
-            G += row * stride_g
-            for start in range(0, n_cols, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                zero = tl.zeros([BLOCK], dtype=tl.float32)
-                tl.store(G + offs, zero.to(G.dtype.element_ty), mask=offs < n_cols)
+        _zero_ignored_row(G, stride_g, LOSS, LSE, TSCALE, row, n_cols, HAS_LSE, WRITE_LOSS, WRITE_GRAD, TOKEN_SCALING,
+                          BLOCK)
         return
 
     zl = z_loss
@@ -101,26 +197,7 @@ def _ce_rows_kernel(
     if HAS_LSE:
         lse = tl.load(LSE + row)
     else:
-        m = float("-inf")
-        d = 0.0
-        zsum = 0.0
-        for start in range(0, n_cols, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n_cols
-            z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                z = softcap * _tanh(z / softcap)
-            if HAS_SMOOTHING:
-                if HAS_WEIGHT:
-                    w = tl.load(WEIGHT + offs, mask=mask, other=0.0).to(tl.float32)
-                    zsum += tl.sum(tl.where(mask, w * z, 0.0), axis=0)  # sum_c w_c z_c
-                else:
-                    zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-            z = tl.where(mask, z, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            m = m_new
-        lse = m + tl.log(d)
+        lse, zsum = _row_lse(X, WEIGHT, n_cols, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT, BLOCK)
         tl.store(LSE + row, lse)
         zt = tl.load(X + tl.where(ok, t, 0)).to(tl.float32)
         if HAS_SOFTCAP:
@@ -158,27 +235,8 @@ def _ce_rows_kernel(
         else:
             wt_true = 1.0 - eps
             coef = 1.0 + 2.0 * zl * lse
-        for start in range(0, n_cols, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n_cols
-            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                th = _tanh(x / softcap)
-                z = softcap * th
-            else:
-                z = x
-            g = tl.exp(z - lse) * coef
-            if HAS_SMOOTHING:
-                if HAS_WEIGHT:
-                    w = tl.load(WEIGHT + offs, mask=mask, other=0.0).to(tl.float32)
-                    g = g - smooth * w
-                else:
-                    g = g - smooth
-            g = tl.where(offs == t, g - wt_true, g)
-            if HAS_SOFTCAP:
-                g = g * (1.0 - th * th)
-            g = g * scale
-            tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
+        _store_grad_row(X, G, WEIGHT, t, lse, scale, coef, wt_true, smooth, n_cols, softcap, HAS_SOFTCAP, HAS_SMOOTHING,
+                        HAS_WEIGHT, BLOCK)
 
 
 def _launch_shape(n_cols: int) -> tuple[int, int]:
@@ -220,45 +278,72 @@ def ce_rows(
     if x.stride(1) != 1 or (grad is not None and grad.stride(1) != 1):
         raise ValueError("ce_rows needs unit stride along the vocabulary dimension")
     if weight is not None:
-        if weight_sum is None:
-            raise ValueError("ce_rows: weight needs weight_sum (a 1-element tensor holding weight.sum())")
-        if weight.numel() != n_cols or weight_sum.numel() != 1:
-            raise ValueError(f"ce_rows: weight needs {n_cols} elements and weight_sum 1, got {weight.numel()} and "
-                             f"{weight_sum.numel()}")
-        if weight.device != x.device or weight_sum.device != x.device:
-            raise ValueError("ce_rows: weight and weight_sum must be on the logits' device")
-        weight = weight.to(torch.float32).contiguous()
-        weight_sum = weight_sum.to(torch.float32).contiguous()
+        weight, weight_sum = _float32_weights(weight, weight_sum, n_cols, x.device)
     if z_scale is not None:
-        if z_scale.numel() != 1 or z_scale.device != x.device:
-            raise ValueError("ce_rows: z_scale must be a 1-element tensor on the logits' device")
-        z_scale = z_scale.to(torch.float32).contiguous()
-    if grad is not None and grad_scale is None:  # checked before any early return: bad input fails on empty too
-        raise ValueError("ce_rows: a gradient needs grad_scale")
-    if token_scale is not None and (lse_known or token_scale.numel() != n_rows or token_scale.device != x.device
-                                    or token_scale.dtype != torch.float32):
-        raise ValueError("ce_rows: token_scale must be a float32 tensor of one element per row on the logits' "
-                         "device, with lse unknown")
+        z_scale = _float32_z_scale(z_scale, x.device)
+    _check_scales(grad, grad_scale, token_scale, lse_known, n_rows, x.device)
     if lse is None:
         if lse_known:
             raise ValueError("ce_rows: lse_known=True needs lse")
         lse = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return lse
-    if grad is not None:
-        grad_scale = grad_scale.to(torch.float32).contiguous()
-        stride_scale = 0 if grad_scale.numel() == 1 else 1
+    _launch(x, target, lse, loss, grad, grad_scale, weight, weight_sum, z_scale, token_scale, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, lse_known=lse_known)
+    return lse
+
+
+def _float32_weights(weight: torch.Tensor, weight_sum: torch.Tensor | None, n_cols: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the class weights and their sum against the logits' classes and device; return both as float32."""
+    if weight_sum is None:
+        raise ValueError("ce_rows: weight needs weight_sum (a 1-element tensor holding weight.sum())")
+    if weight.numel() != n_cols or weight_sum.numel() != 1:
+        raise ValueError(f"ce_rows: weight needs {n_cols} elements and weight_sum 1, got {weight.numel()} and "
+                         f"{weight_sum.numel()}")
+    if weight.device != device or weight_sum.device != device:
+        raise ValueError("ce_rows: weight and weight_sum must be on the logits' device")
+    return weight.to(torch.float32).contiguous(), weight_sum.to(torch.float32).contiguous()
+
+
+def _float32_z_scale(z_scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Check that ``z_scale`` is one element on the logits' device; return it contiguous in float32."""
+    if z_scale.numel() != 1 or z_scale.device != device:
+        raise ValueError("ce_rows: z_scale must be a 1-element tensor on the logits' device")
+    return z_scale.to(torch.float32).contiguous()
+
+
+def _check_scales(grad: torch.Tensor | None, grad_scale: torch.Tensor | None, token_scale: torch.Tensor | None,
+                  lse_known: bool, n_rows: int, device: torch.device) -> None:
+    """Check that a gradient comes with ``grad_scale``, and ``token_scale`` (float32, one per row) with lse unknown."""
+    if grad is not None and grad_scale is None:  # checked before any early return: bad input fails on empty too
+        raise ValueError("ce_rows: a gradient needs grad_scale")
+    if token_scale is not None and (lse_known or token_scale.numel() != n_rows or token_scale.device != device
+                                    or token_scale.dtype != torch.float32):
+        raise ValueError("ce_rows: token_scale must be a float32 tensor of one element per row on the logits' "
+                         "device, with lse unknown")
+
+
+def _launch(x, target, lse, loss, grad, grad_scale, weight, weight_sum, z_scale, token_scale, *, ignore_index,
+            label_smoothing, z_loss, softcap, lse_known) -> None:
+    """Launch the kernel over the rows of ``x``; ``lse`` stands in for the tensors not given, which it leaves alone."""
+    n_rows, n_cols = x.shape
+    if grad is None:
+        g, stride_g, scale, stride_scale = x, 0, lse, 0
+    else:
+        scale = grad_scale.to(torch.float32).contiguous()
+        g, stride_g, stride_scale = grad, grad.stride(0), 0 if scale.numel() == 1 else 1
     block, num_warps = _launch_shape(n_cols)
     _ce_rows_kernel[(n_rows,)](
         x,
         x.stride(0),
-        grad if grad is not None else x,
-        grad.stride(0) if grad is not None else 0,
+        g,
+        stride_g,
         target,
         loss if loss is not None else lse,
         lse,
-        grad_scale if grad is not None else lse,
-        stride_scale if grad is not None else 0,
+        scale,
+        stride_scale,
         weight if weight is not None else lse,
         weight_sum if weight is not None else lse,
         z_scale if z_scale is not None else lse,
@@ -279,4 +364,3 @@ def ce_rows(
         BLOCK=block,
         num_warps=num_warps,
     )
-    return lse
