@@ -365,6 +365,8 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         self.lora_dropout = float(lora_dropout)
         #: ``(layer name, dense bytes in dtype, packed bytes with quant state)`` per Linear weight quantized
         self.quantized_weights: list[tuple[str, int, int]] = []
+        #: the same per 3-D expert weight quantized (``QuantizedExperts``: every expert of one projection)
+        self.quantized_experts: list[tuple[str, int, int]] = []
         self.experts_converted = 0
         self._converted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -412,6 +414,7 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
             for _, model in hf_models(module):
                 freeze_base_(model)  # kept as loaded; memkit's and peft's adapters stay trainable
         self.experts_converted = len(conversions)
+        self.quantized_experts = _quantized_experts(module, self.dtype)
         log.debug("NoSaveBitsandbytesPrecision: %d experts modules converted to %s", len(conversions), self.mode)
         self._converted.add(module)
         return module
@@ -483,17 +486,18 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
         return module
 
     def memory_effect(self) -> str:
-        """One line: weight bytes saved by quantization (dense bytes in ``dtype`` minus packed ones, quant state in)."""
-        weights = self.quantized_weights
-        if not weights:
+        """One line: weight bytes saved by quantization (dense bytes in ``dtype`` minus packed ones, quant state in),
+        the Linear layers' and the MoE experts'."""
+        weights, experts = self.quantized_weights, self.quantized_experts
+        if not weights and not experts:
             return "NoSaveBitsandbytesPrecision: no Linear layer was quantized"
-        dense = sum(d for _, d, _ in weights)
-        packed = sum(q for _, _, q in weights)
-        return (f"NoSaveBitsandbytesPrecision: {len(weights)} Linear weights quantized to {self.mode}: "
+        dense = sum(d for _, d, _ in (*weights, *experts))
+        packed = sum(q for _, _, q in (*weights, *experts))
+        what = f"{len(weights)} Linear weights" + (
+            f" and {len(experts)} expert weights ({self.experts_converted} MoE experts modules)" if experts else "")
+        return (f"NoSaveBitsandbytesPrecision: {what} quantized to {self.mode}: "
                 f"{dense:,} bytes dense in {str(self.dtype).removeprefix('torch.')} -> {packed:,} bytes packed "
-                f"(with quant state), {dense - packed:,} bytes saved"
-                + (f"; {self.experts_converted} MoE experts modules quantized too, not counted here"
-                   if self.experts_converted else ""))
+                f"(with quant state), {dense - packed:,} bytes saved")
 
     def _check_peft(self, module: nn.Module) -> list[str]:
         """A peft model: no ``lora_rank`` of ours on top of its adapters, nothing a quantized base cannot run.
@@ -582,3 +586,12 @@ class NoSaveBitsandbytesPrecision(Precision, _fabric_bnb.BitsandbytesPrecision):
             f"ignore_modules={sorted(self.ignore_modules)}, lora_rank={self.lora_rank}, "
             f"lora_alpha={self.lora_alpha:g}, lora_dropout={self.lora_dropout:g})"
         )
+
+
+def _quantized_experts(module: nn.Module, dtype: torch.dtype) -> list[tuple[str, int, int]]:
+    """``(name, dense bytes in dtype, packed bytes with quant state)`` of each quantized 3-D expert weight."""
+    from lightning_memkit.ops.nosave_experts import QuantizedExperts
+
+    return [(name, m.num_experts * m.in_features * m.out_features * dtype.itemsize,
+             sum(t.nbytes for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))))
+            for name, m in module.named_modules() if isinstance(m, QuantizedExperts)]

@@ -112,6 +112,30 @@ def test_conversion_quantizes_linears_and_experts_freezes_and_keeps_the_rest_as_
     assert all(b.dtype == buffers[n] for n, b in model.named_buffers() if n in buffers)  # buffers as they were
 
 
+@pytest.mark.parametrize(("mode", "dtype"), [("nf4", torch.bfloat16), ("int8", torch.float16)])
+def test_the_report_counts_the_experts_bytes_with_the_linears(mode, dtype):
+    """The plugin's line adds each 3-D expert weight: dense ``E x out x in`` in the compute dtype against its packed
+    bytes and quant state (4-bit: half a byte per weight, a float32 absmax per 64, a 16-entry code; int8: a byte per
+    weight, a float32 scale per row)."""
+    model = tiny_hf_causal_lm("qwen3_moe", seed=0)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.dim() == 3]  # (E, out, in) per projection
+    plugin = NoSaveBitsandbytesPrecision(mode, dtype, lora_rank=RANK)
+    plugin.convert_module(model)
+
+    def packed(e, out, cols):
+        return e * out * cols + e * out * 4 if mode == "int8" else e * (out * cols // 2 + out * cols // 64 * 4) + 64
+
+    assert len(shapes) == 4 and plugin.experts_converted == 2
+    assert sorted(d for _, d, _ in plugin.quantized_experts) == sorted(e * o * i * 2 for e, o, i in shapes)
+    assert sorted(q for _, _, q in plugin.quantized_experts) == sorted(packed(*s) for s in shapes)
+    dense = sum(d for _, d, _ in plugin.quantized_weights) + sum(e * o * i * 2 for e, o, i in shapes)
+    saved = dense - sum(q for _, _, q in plugin.quantized_weights) - sum(packed(*s) for s in shapes)
+    line = plugin.memory_effect()
+    assert line.startswith(f"NoSaveBitsandbytesPrecision: 8 Linear weights and 4 expert weights (2 MoE experts "
+                           f"modules) quantized to {mode}: {dense:,} bytes dense"), line
+    assert line.endswith(f", {saved:,} bytes saved"), line
+
+
 @pytest.mark.parametrize(("family", "mode", "dtype", "tol"), [
     ("qwen3_moe", "nf4", torch.float32, 1e-5), ("gpt_oss", "nf4", torch.float32, 1e-5),
     ("llama", "nf4", torch.float32, 1e-5), ("qwen3_moe", "nf4-dq", torch.float32, 1e-5),
