@@ -81,8 +81,9 @@ def main(args: ArgsType = None) -> None:
     ``memkit compare ...`` goes to :func:`lightning_memkit.cli.compare.main`, ``memkit estimate ...`` to
     :func:`lightning_memkit.cli.estimate.main`, the other :data:`SUBCOMMANDS` to :class:`MemkitCLI`; ``memkit``
     alone (on stderr, exit 2) and ``memkit --help`` print :func:`usage`, an unknown subcommand is an error.
-    A :class:`ConfigError` prints ``memkit: error: ...`` on stderr and exits with status 2, unless ``--debug``
-    is given (removed before parsing) or ``MEMKIT_DEBUG=1`` is set: then it propagates with its traceback.
+    A :class:`ConfigError` prints ``memkit: error: ...`` on stderr and exits with status 2, a ``MemoryBudget``
+    that no plan fits (``NoPlanFits``, at setup or a re-plan) the same with status 1, unless ``--debug`` is given
+    (removed before parsing) or ``MEMKIT_DEBUG=1`` is set: then it propagates with its traceback.
     """
     from_sys = args is None
     if from_sys:
@@ -112,6 +113,14 @@ def main(args: ArgsType = None) -> None:
             print(f"  see `{command} --help` for the accepted options; add --debug for the full traceback",
                   file=sys.stderr)
         raise SystemExit(2) from None
+    except ValueError as err:  # a budget no plan fits: the run's answer, not a crash
+        from lightning_memkit.callbacks.memory_budget import NoPlanFits
+
+        if debug or not isinstance(err, NoPlanFits):
+            raise
+        print(f"memkit {argv[0]}: error: {err}", file=sys.stderr)
+        print("  add --debug for the full traceback", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def import_from_working_directory() -> None:

@@ -33,6 +33,22 @@ def test_a_bad_budget_is_one_line(args, message, tmp_path, capsys) -> None:
     assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], err
 
 
+def test_a_budget_no_plan_fits_is_one_line_before_any_step(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args=[*demo_args(tmp_path), "--budget", "4KiB"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 1 and len(err) == 2 and err[1] == "  add --debug for the full traceback", err
+    assert err[0].startswith("memkit fit: error: MemoryBudget(budget=4096): no plan fits 4.00 KiB"), err
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_debug_shows_the_traceback_of_a_budget_no_plan_fits(tmp_path) -> None:
+    from lightning_memkit.callbacks.memory_budget import NoPlanFits
+
+    with pytest.raises(NoPlanFits, match="no plan fits 4.00 KiB"):
+        main(args=[*demo_args(tmp_path), "--budget", "4KiB", "--debug"])
+
+
 def test_the_flag_becomes_a_callback_entry() -> None:
     assert budget_arguments(["fit", "--budget=0.9", "--config", "c.yaml"]) == [
         "fit", "--config", "c.yaml", "--trainer.callbacks+=lightning_memkit.callbacks.MemoryBudget",
