@@ -76,18 +76,16 @@ def _assert_unchanged(model, snapshot):
 
 
 # -- what the conversion produces ------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("loaded", [torch.float32, torch.bfloat16])
-def test_conversion_quantizes_linears_and_experts_freezes_and_keeps_the_rest_as_loaded(family, loaded):
-    """bf16 compute: the quantized products run in bf16, every other parameter keeps the dtype the model was loaded
-    in (transformers' ``BitsAndBytesConfig`` loading), the adapters float32."""
-    model = tiny_hf_causal_lm(family, seed=0, dtype=loaded)
-    buffers = {n: b.dtype for n, b in model.named_buffers()}
-    model = _convert(model, dtype=torch.bfloat16)
+def _assert_linears_quantized_but_the_head(model, loaded):
+    """Every Linear but lm_head is a packed bitsandbytes layer; lm_head stays an nn.Linear in the loaded dtype."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == loaded
     assert all(isinstance(m, QUANTIZED_LINEAR) and m.weight.dtype == torch.uint8
                for n, m in linears.items() if n != "lm_head")
+
+
+def _assert_experts_quantized_with_adapters(model, family):
+    """Each MoE experts module holds packed bf16-compute projections, each with its expert LoRA adapter."""
     experts = [m for m in model.modules() if isinstance(m, QLoRAExperts)]
     assert len(experts) == (2 if family in MOE else 0)
     for m in experts:
@@ -97,6 +95,10 @@ def test_conversion_quantizes_linears_and_experts_freezes_and_keeps_the_rest_as_
             assert isinstance(q, QuantizedExperts) and q.weight.dtype == torch.uint8
             assert q.compute_dtype is torch.bfloat16
             assert isinstance(m.lora[proj], ExpertLoRAAdapter) and m.lora[proj].A.shape == (4, q.in_features, RANK)
+
+
+def _assert_only_the_adapters_train(model, family):
+    """The trainable parameters are exactly the adapters' A and B, as many as the family has; returns their names."""
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     adapters = {f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, (LoRAAdapter, ExpertLoRAAdapter))
                 for k in ("A", "B")}
@@ -104,12 +106,31 @@ def test_conversion_quantizes_linears_and_experts_freezes_and_keeps_the_rest_as_
     attention = {n for n in trainable if ".self_attn." in n}
     assert len(attention) == 2 * 4 * 2  # q, k, v, o of both layers, A and B
     assert len(trainable - attention) == {"qwen3_moe": 8, "gpt_oss": 8, "llama": 12}[family]
+    return trainable
+
+
+def _assert_the_rest_keeps_its_loaded_dtype(model, trainable, loaded, buffers):
+    """Frozen floating parameters keep the loaded dtype, the adapters are float32, the buffers keep theirs."""
     for n, p in model.named_parameters():
         if n not in trainable and p.is_floating_point():
             assert p.dtype == loaded, n  # embeddings, norms, routers, sinks, biases, lm_head
         if n in trainable:
             assert p.dtype == torch.float32, n
     assert all(b.dtype == buffers[n] for n, b in model.named_buffers() if n in buffers)  # buffers as they were
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("loaded", [torch.float32, torch.bfloat16])
+def test_conversion_quantizes_linears_and_experts_freezes_and_keeps_the_rest_as_loaded(family, loaded):
+    """bf16 compute: the quantized products run in bf16, every other parameter keeps the dtype the model was loaded
+    in (transformers' ``BitsAndBytesConfig`` loading), the adapters float32."""
+    model = tiny_hf_causal_lm(family, seed=0, dtype=loaded)
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    model = _convert(model, dtype=torch.bfloat16)
+    _assert_linears_quantized_but_the_head(model, loaded)
+    _assert_experts_quantized_with_adapters(model, family)
+    trainable = _assert_only_the_adapters_train(model, family)
+    _assert_the_rest_keeps_its_loaded_dtype(model, trainable, loaded, buffers)
 
 
 @pytest.mark.parametrize(("mode", "dtype"), [("nf4", torch.bfloat16), ("int8", torch.float16)])

@@ -251,9 +251,32 @@ def test_trainer_accepts_the_plugin_on_cpu():
 
 
 # -- the example config ----------------------------------------------------------------------------------
-def test_tiny_lm_qlora_config_trains_and_saves_no_dequantized_weight(tmp_path):
+def _assert_the_run_trained_in_bf16_with_nothing_stashed(trainer):
+    """The config's plugin computes in bf16, the loss fell over 16 steps, the profiler saw nothing stashed."""
     from lightning_memkit.callbacks import SavedTensorProfiler
-    from lightning_memkit.config.lightning_cli import LossTracker, MemkitCLI
+    from lightning_memkit.config.lightning_cli import LossTracker
+
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, NoSaveBitsandbytesPrecision) and plugin.dtype is torch.bfloat16
+    tracker = next(cb for cb in trainer.callbacks if isinstance(cb, LossTracker))
+    assert tracker.steps == 16 and tracker.last < tracker.first - 0.5
+    report = next(cb for cb in trainer.callbacks if isinstance(cb, SavedTensorProfiler)).last_report
+    assert report is not None and report.stashed_bytes == 0  # everything kept went through save_for_backward
+
+
+def _assert_each_layer_keeps_only_its_packed_weight(converted, profile, seen):
+    """Each quantized layer keeps its packed weight and quant state for backward, and no dense copy is saved."""
+    for name, layer in converted.items():
+        kept = [s for s in profile.storages if s.name == name]
+        assert [s.kind for s in kept] == ["weight"] * len(kept)
+        packed = sorted(t.untyped_storage().nbytes() for t in saved_weight_tensors(layer))
+        assert sorted(s.nbytes for s in kept) == packed  # the packed weight and its quant state, nothing else
+        dense = (layer.out_features, layer.in_features)
+        assert not any(t.is_floating_point() and tuple(t.shape) in (dense, dense[::-1]) for t in seen)
+
+
+def test_tiny_lm_qlora_config_trains_and_saves_no_dequantized_weight(tmp_path):
+    from lightning_memkit.config.lightning_cli import MemkitCLI
 
     overrides = {
         "trainer.max_steps": 16, "trainer.limit_val_batches": 0, "trainer.enable_progress_bar": False,
@@ -264,29 +287,17 @@ def test_tiny_lm_qlora_config_trains_and_saves_no_dequantized_weight(tmp_path):
     args = ["fit", "--config", str(CONFIG)] + [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
     cli = MemkitCLI(args=args)
     trainer, model = cli.trainer, cli.model
-
-    plugin = trainer.precision_plugin
-    assert isinstance(plugin, NoSaveBitsandbytesPrecision) and plugin.dtype is torch.bfloat16
-    tracker = next(cb for cb in trainer.callbacks if isinstance(cb, LossTracker))
-    assert tracker.steps == 16 and tracker.last < tracker.first - 0.5
-    report = next(cb for cb in trainer.callbacks if isinstance(cb, SavedTensorProfiler)).last_report
-    assert report is not None and report.stashed_bytes == 0  # everything kept went through save_for_backward
+    _assert_the_run_trained_in_bf16_with_nothing_stashed(trainer)
 
     converted = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert sorted(converted) == ["blocks.0.attn.proj", "blocks.0.attn.qkv", "blocks.0.mlp.0", "blocks.0.mlp.2"]
     tokens = torch.randint(0, 256, (2, 32))
-    with plugin.forward_context():
+    with trainer.precision_plugin.forward_context():
         profile = profile_saved_tensors(model, tokens)
         seen = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
             model(tokens)
-    for name, layer in converted.items():
-        kept = [s for s in profile.storages if s.name == name]
-        assert [s.kind for s in kept] == ["weight"] * len(kept)
-        packed = sorted(t.untyped_storage().nbytes() for t in saved_weight_tensors(layer))
-        assert sorted(s.nbytes for s in kept) == packed  # the packed weight and its quant state, nothing else
-        dense = (layer.out_features, layer.in_features)
-        assert not any(t.is_floating_point() and tuple(t.shape) in (dense, dense[::-1]) for t in seen)
+    _assert_each_layer_keeps_only_its_packed_weight(converted, profile, seen)
 
 
 # -- CUDA ------------------------------------------------------------------------------------------------

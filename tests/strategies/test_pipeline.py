@@ -133,12 +133,8 @@ def test_example_config_builds_the_strategy_through_lightning_cli(tmp_path):
 
 
 
-def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
-    """TinyLM on 2 ranks: the same losses as plain training, identical losses after resume, clear errors."""
-    for code, out in ranks.wait(ranks.launch(WORKER, [str(tmp_path)], 2, TEST_PID=str(os.getpid())), 150, "fit"):
-        assert code == 0, out[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    ref = r0.pop("reference")
+def _assert_the_fit_matches_one_process_and_resumes_exactly(r0, r1, ref):
+    """Both ranks log the same values: those of one process, continued bit for bit after the resume."""
     assert {k: r0[k] for k in r1} == r1  # both ranks log the same (broadcast) values
     full, resumed = r0["full"], r0["resumed"]
     assert len(full["train"]) == 6 and len(full["val"]) == 2
@@ -148,10 +144,17 @@ def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
     assert resumed["val"] == full["val"][1:]
     assert r0["validate"] == pytest.approx(full["val"][-1], rel=1e-6)  # trainer.validate after fit: same weights
     assert r0["state_keys_match"] and r0["state_equal"]  # merged shards cover the model; both runs end equal
-    errors = r0["errors"]
+
+
+def _assert_clear_set_up_errors(errors):
+    """A module without the protocol, too few layers and an unsplittable batch are named."""
     assert errors["protocol"].startswith("TypeError: strategy='memkit_pipeline' needs the LightningModule")
     assert errors["stages"].startswith("ValueError: num_stages=2 exceeds the 1 layers")
     assert errors["batch"].startswith("ValueError: a batch of 6 samples does not split into microbatches=4")
+
+
+def _assert_clear_checkpoint_errors(errors, tmp_path):
+    """A checkpoint of another model and a directory another writer holds are refused, naming both."""
     saved = str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
     assert errors["layers"] == (  # the same words on both ranks (checked above), naming the checkpoint
         f"CheckpointError: {saved}: cannot resume: a checkpoint of another model: it holds a model of 5 pipeline "
@@ -163,6 +166,17 @@ def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
     assert f"another writer holds {locked / '.memkit-writer.lock'} (host" in errors["locked"]
     assert f"pid {os.getpid()}, run id 'other-run'" in errors["locked"] and "nothing was written" in errors["locked"]
     assert errors["locked_files"] == [".memkit-writer.lock"]  # the other run's directory is untouched
+
+
+def test_two_process_fit_matches_single_process_and_resumes_exactly(tmp_path):
+    """TinyLM on 2 ranks: the same losses as plain training, identical losses after resume, clear errors."""
+    for code, out in ranks.wait(ranks.launch(WORKER, [str(tmp_path)], 2, TEST_PID=str(os.getpid())), 150, "fit"):
+        assert code == 0, out[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    ref = r0.pop("reference")
+    _assert_the_fit_matches_one_process_and_resumes_exactly(r0, r1, ref)
+    _assert_clear_set_up_errors(r0["errors"])
+    _assert_clear_checkpoint_errors(r0["errors"], tmp_path)
 
 
 @pytest.mark.cuda
