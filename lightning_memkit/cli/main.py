@@ -90,11 +90,7 @@ def main(args: ArgsType = None) -> None:
         import_from_working_directory()
     argv = [str(a) for a in (sys.argv[1:] if from_sys else args)]
     debug = _debug_requested(argv)
-    if "--debug" in argv:
-        argv = [a for a in argv if a != "--debug"]
-        if from_sys:  # processes that Lightning launches re-run sys.argv: they learn of --debug from the env
-            sys.argv[1:] = argv
-            os.environ["MEMKIT_DEBUG"] = "1"
+    argv = _without_debug(argv, from_sys)
     try:
         _check_subcommand(argv)
         if argv[0] == "fit" and any(a == "--budget" or a.startswith("--budget=") for a in argv):
@@ -104,23 +100,38 @@ def main(args: ArgsType = None) -> None:
         _run_subcommand(argv, from_sys)
         if from_sys and argv[0] == "estimate":
             _exit_without_teardown()
-    except ConfigError as err:
-        if debug:
-            raise
-        command = f"memkit {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "memkit"
+    except ValueError as err:
+        if not debug:
+            _exit_on_refusal(err, argv)
+        raise
+
+
+def _without_debug(argv: list[str], from_sys: bool) -> list[str]:
+    """``argv`` without ``--debug``; processes that Lightning launches re-run ``sys.argv``: they learn of it from
+    ``MEMKIT_DEBUG``."""
+    if "--debug" not in argv:
+        return argv
+    argv = [a for a in argv if a != "--debug"]
+    if from_sys:
+        sys.argv[1:] = argv
+        os.environ["MEMKIT_DEBUG"] = "1"
+    return argv
+
+
+def _exit_on_refusal(err: ValueError, argv: list[str]) -> None:
+    """A :class:`ConfigError` (status 2) or a budget no plan fits (``NoPlanFits``: the run's answer, not a crash;
+    status 1) printed as one line on stderr, then the exit; any other error returns (the caller raises it)."""
+    budget = sys.modules.get("lightning_memkit.callbacks.memory_budget")  # loaded where it raised: nothing imported
+    command = f"memkit {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "memkit"
+    if budget is not None and isinstance(err, budget.NoPlanFits):
+        print(f"{command}: error: {err}\n  add --debug for the full traceback", file=sys.stderr)
+        raise SystemExit(1) from None
+    if isinstance(err, ConfigError):
         print(f"{command}: error: {err}", file=sys.stderr)
         if getattr(err, "hint", True):
             print(f"  see `{command} --help` for the accepted options; add --debug for the full traceback",
                   file=sys.stderr)
         raise SystemExit(2) from None
-    except ValueError as err:  # a budget no plan fits: the run's answer, not a crash
-        from lightning_memkit.callbacks.memory_budget import NoPlanFits
-
-        if debug or not isinstance(err, NoPlanFits):
-            raise
-        print(f"memkit {argv[0]}: error: {err}", file=sys.stderr)
-        print("  add --debug for the full traceback", file=sys.stderr)
-        raise SystemExit(1) from None
 
 
 def import_from_working_directory() -> None:
