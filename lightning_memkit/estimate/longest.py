@@ -2,11 +2,12 @@
 
 Every lever lowers memory, so if any plan fits at ``T`` tokens the strongest plans (each lever at its strongest,
 :func:`~lightning_memkit.estimate.plans.search_plans`' first estimates) fit too, and a plan that fits at ``T``
-fits at fewer tokens. :func:`longest_sequence` therefore probes the strongest plans only: doubling ``T`` from
-``lower`` until they stop fitting (or the config's ``max_position_embeddings`` is reached), then narrowing to a
-multiple of ``granularity`` tokens where the line through the two bracketing peaks meets the budget (a bisection
-step whenever that does not halve the bracket); at the longest ``T`` found, a full plan search ranks the plans that
-fit by their predicted step time.
+fits at fewer tokens. :func:`longest_sequence` therefore probes the strongest plans only: at ``lower`` and twice it,
+then where the line through the peaks of the last two lengths that fit meets the budget (rounded up to a multiple
+of ``granularity``), until they stop fitting (or the config's ``max_position_embeddings`` is reached); then it
+narrows the bracket to a multiple of ``granularity`` tokens where the line through the two bracketing peaks meets
+the budget (a bisection step whenever that does not halve the bracket); at the longest ``T`` found, a full plan
+search ranks the plans that fit by their predicted step time.
 
 Example (a tiny Llama whose one-sequence step must fit 8 MiB; the lengths probed, then the longest)::
 
@@ -18,7 +19,7 @@ Example (a tiny Llama whose one-sequence step must fit 8 MiB; the lengths probed
     >>> found = longest_sequence(lambda t: HFRun(path, seq_len=t, allow=("recompute",), device="cpu"),
     ...                          8 * 2**20, lower=128, granularity=128)
     >>> [t for t, _, _ in found.probes], found.seq_len
-    ([128, 256, 512, 1024, 2048, 1152], 1024)
+    ([128, 256, 1152, 1024], 1024)
 """
 
 from __future__ import annotations
@@ -114,9 +115,10 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
 
     if not fits(lower):
         raise ValueError(f"--seq-len max: no plan fits {budget_bytes:,} B even at {lower:,} tokens")
-    good, bad = lower, None
+    good, bad, target = lower, None, budget_bytes / (1 + margin)
     while bad is None and (limit is None or good < limit):
-        tokens = good * 2 if limit is None else min(good * 2, limit)
+        tokens = _above(good, probes, target, granularity)
+        tokens = tokens if limit is None else min(tokens, limit)
         if fits(tokens):
             good = tokens
         else:
@@ -125,7 +127,7 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
     while bad is not None and bad - good > granularity:
         width = bad - good
         peaks = {t: p for t, _, p in probes}
-        tokens = _between(good, bad, peaks, budget_bytes / (1 + margin), granularity, secant)
+        tokens = _between(good, bad, peaks, target, granularity, secant)
         if fits(tokens):
             good = tokens
         else:
@@ -138,6 +140,21 @@ def longest_sequence(make_run: Callable[[int], Any], budget_bytes: int, *, lower
     result = search_plans(run_at(good), budget_bytes, margin=margin, host_budget=host_budget, machine=machine,
                           progress=progress, **search)
     return LongestResult(good, result, probes, limit or 0, time.perf_counter() - start)
+
+
+def _above(good: int, probes: list[tuple[int, bool, int]], target: float, granularity: int) -> int:
+    """The next length to probe above ``good``, the longest that fits so far: twice it until two lengths fit, then
+    where the line through the peaks of the last two that fit meets ``target`` (a step's peak is nearly affine in
+    its tokens), rounded up to a multiple of ``granularity``: the first length past the line's, which brackets the
+    longest with ``good`` unless the peaks grow slower than the line; at least ``good + granularity``."""
+    fitted = [(t, peak) for t, ok, peak in probes if ok]
+    if len(fitted) < 2:
+        return good * 2
+    (t0, p0), (t1, p1) = fitted[-2], fitted[-1]
+    if t1 <= t0 or p1 <= p0:  # no growth to extrapolate
+        return good * 2
+    line = t1 + (target - p1) * (t1 - t0) / (p1 - p0)
+    return max(-(-int(line) // granularity) * granularity, good + granularity)
 
 
 def _between(good: int, bad: int, peaks: dict[int, int], target: float, granularity: int, secant: bool) -> int:
